@@ -1,0 +1,369 @@
+"""The decoding loop: prefill, then draft -> verify -> accept -> compact, for a batch of sequences.
+
+Plain decoding is the same loop with a one-node tree and no drafter. Requests join the batch as
+earlier ones finish (each owns a cache slot), so a batch never waits for its slowest member.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import ContextLengthError
+from .models.drafter import Eagle3Drafter, check_pair
+from .models.llama import LlamaTarget
+from .sampling import SamplingParams, make_generator, target_probs
+from .spec.proposer import EagleProposer, TreeShape, causal_mask
+from .spec.tree import root_only
+from .spec.verify import accept_greedy, accept_sampling
+from .stats import SpecStats
+
+StreamCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context)
+    stats: SpecStats
+    text: str | None = None
+
+
+@dataclass
+class BatchOutput:
+    results: list[Result]
+    stats: SpecStats  # aggregated; wall and phase times are the batch's own (not summed per row)
+
+
+@dataclass
+class _Row:
+    index: int  # request index
+    slot: int
+    request: Request
+    output: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    started: float = 0.0
+    finish: str | None = None
+    text: str | None = None
+
+
+class Engine:
+    """Lossless speculative generation with an EAGLE-3/3.1 drafter (or plain decoding without one).
+
+    mode: "tree" (EAGLE-2 dynamic tree of `tree` shape), "chain" (`chain_k` tokens), "off".
+    """
+
+    def __init__(
+        self,
+        target: LlamaTarget,
+        drafter: Eagle3Drafter | None = None,
+        *,
+        mode: str = "tree",
+        tree: TreeShape | None = None,
+        chain_k: int = 4,
+        tokenizer=None,
+        prefill_chunk: int = 512,
+        max_length: int | None = None,
+    ):
+        if mode not in ("tree", "chain", "off"):
+            raise ValueError(f"mode must be 'tree', 'chain' or 'off', got {mode!r}")
+        if mode != "off" and drafter is None:
+            mode = "off"
+        self.target, self.tokenizer = target, tokenizer
+        self.mode = mode
+        self.drafter = drafter if mode != "off" else None
+        self.max_length = max_length or target.cfg.max_position_embeddings
+        self.prefill_chunk = prefill_chunk
+        self.shape = None
+        if self.drafter is not None:
+            check_pair(self.drafter, target)
+            if self.drafter.embed_tokens is None:
+                self.drafter.attach_target_embedding(target.model.embed_tokens)
+            target.set_aux_layers(tuple(self.drafter.cfg.aux_layer_ids or ()) or None)
+            self.shape = TreeShape.chain(chain_k) if mode == "chain" else (tree or TreeShape())
+            self.proposer = EagleProposer(self.drafter, self.shape)
+        self.device = next(target.parameters()).device
+
+    # -- public API ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams = SamplingParams(),
+        *,
+        batch_size: int = 1,
+        on_tokens: StreamCallback | None = None,
+    ) -> BatchOutput:
+        """Generate for every request; at most `batch_size` run at once. on_tokens(i, ids) streams."""
+        self._validate(requests, batch_size)
+        t_start = time.perf_counter()
+        gen = make_generator(params.seed, self.device)
+        if params.seed is not None and self.device.type == "cpu":
+            torch.manual_seed(params.seed)
+        tcache = self.target.new_cache(batch_size, max_length=self.max_length)
+        dcache = None
+        if self.drafter is not None:
+            extra = self.shape.top_k * self.shape.depth + 1
+            dcache = self.drafter.new_cache(batch_size, max_length=self.max_length + extra)
+        batch_stats = SpecStats()
+        waiting = list(range(len(requests)))
+        rows: list[_Row] = []
+        state = None  # batch tensors: root [B], pend_ids [B, E], pend_aux [B, E, A*H], pend_cnt [B]
+        results: list[Result | None] = [None] * len(requests)
+        while waiting or rows:
+            if waiting and len(rows) < batch_size:
+                take = [waiting.pop(0) for _ in range(min(batch_size - len(rows), len(waiting)))]
+                new_rows, new_state = self._admit(take, requests, tcache, dcache, params, gen, batch_stats)
+                rows += new_rows
+                state = new_state if state is None else _cat_state(state, new_state)
+                self._after_tokens(new_rows, None, on_tokens)
+            else:
+                new_tokens = self._step(rows, state, tcache, dcache, params, gen, batch_stats)
+                state = new_tokens.pop()
+                self._after_tokens(rows, new_tokens, on_tokens)
+            done = [i for i, r in enumerate(rows) if r.finish is not None]
+            if done:
+                now = time.perf_counter()
+                for i in done:
+                    r = rows[i]
+                    r.stats.wall_time = now - r.started
+                    r.stats.new_tokens = len(r.output)
+                    tcache.free(r.slot)
+                    if dcache is not None:
+                        dcache.free(r.slot)
+                    results[r.index] = Result(r.request.prompt_ids, r.output, r.finish, r.stats, r.text)
+                keep = [i for i in range(len(rows)) if i not in set(done)]
+                rows = [rows[i] for i in keep]
+                state = _select_state(state, keep) if keep else None
+        batch_stats.wall_time = time.perf_counter() - t_start
+        total = SpecStats()
+        for r in results:
+            total = total.merge(r.stats)
+        for name in ("wall_time", "time_prefill", "time_draft", "time_verify", "time_other"):
+            setattr(total, name, getattr(batch_stats, name))
+        if self.tokenizer is not None:
+            for r in results:
+                if r.text is None:
+                    r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return BatchOutput(results, total)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _validate(self, requests, batch_size):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        vocab = self.target.cfg.vocab_size
+        for i, r in enumerate(requests):
+            if len(r.prompt_ids) == 0:
+                raise ValueError(f"request {i}: the prompt is empty; give at least one token")
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+                raise ValueError(f"request {i}: prompt token ids must be in [0, {vocab})")
+            if len(r.prompt_ids) >= self.max_length:
+                raise ContextLengthError(
+                    f"request {i}: the prompt has {len(r.prompt_ids)} tokens but the model context is "
+                    f"{self.max_length}; shorten it to at most {self.max_length - 1} tokens"
+                )
+            if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+                raise ValueError(
+                    f"request {i}: max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}"
+                )
+
+    def _rows_arg(self, rows: list[_Row]):
+        slots = [r.slot for r in rows]
+        if slots == list(range(len(slots))):
+            return None
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _pick(self, logits, params, gen):
+        if params.greedy:
+            return logits.argmax(-1)
+        return torch.multinomial(target_probs(logits, params), 1, generator=gen)[:, 0]
+
+    def _admit(self, indices, requests, tcache, dcache, params, gen, batch_stats):
+        """Prefill new requests (chunked) into free slots; returns their rows and batch state."""
+        t0 = time.perf_counter()
+        rows = []
+        for i in indices:
+            slot = tcache.allocate()
+            if dcache is not None:
+                while dcache.num_slots < tcache.num_slots:
+                    dcache.add_slots(tcache.num_slots - dcache.num_slots)
+                dcache.in_use[slot] = True
+                dcache.lengths[slot] = 0
+            rows.append(_Row(i, slot, requests[i], started=t0))
+        b = len(rows)
+        lens = torch.tensor([len(r.request.prompt_ids) for r in rows])
+        n_max = int(lens.max())
+        ids = torch.zeros(b, n_max + 1, dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : lens[j]] = torch.tensor(r.request.prompt_ids)
+        ids, lens_d = ids.to(self.device), lens.to(self.device)
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        use_drafter = self.drafter is not None
+        last_h = last_aux = None
+        for c0 in range(0, n_max, self.prefill_chunk):
+            t = min(self.prefill_chunk, n_max - c0)
+            cnt = (lens_d - c0).clamp(0, t)
+            meta = tcache.prepare(slots, causal_mask(cnt, t))
+            pos = meta.write_pos
+            h, aux = self.target(ids[:, c0 : c0 + t], pos, tcache, meta, capture_aux=use_drafter)
+            tcache.commit(slots, cnt.cpu())
+            pick = (cnt - 1).clamp(min=0)[:, None, None]
+            has = (cnt > 0)[:, None]
+            h_last = h.gather(1, pick.expand(b, 1, h.shape[-1]))[:, 0]
+            last_h = h_last if last_h is None else torch.where(has, h_last, last_h)
+            if use_drafter:
+                a_last = aux.gather(1, pick.expand(b, 1, aux.shape[-1]))[:, 0]
+                last_aux = a_last if last_aux is None else torch.where(has, a_last, last_aux)
+                # drafter pairs (state at t, token t+1) for t < n-1; the last one waits for the sampled token
+                d_cnt = (lens_d - 1 - c0).clamp(0, t)
+                self.proposer.extend(dcache, slots, ids[:, c0 + 1 : c0 + 1 + t], aux, d_cnt, chunk=t)
+        first = self._pick(self.target.logits(last_h), params, gen)
+        state = {
+            "root": first,
+            "ids": first[:, None],
+            "aux": last_aux[:, None] if use_drafter else None,
+            "cnt": torch.ones(b, dtype=torch.long, device=self.device),
+        }
+        firsts = first.tolist()
+        for r, tok in zip(rows, firsts):
+            r.output.append(tok)
+            r.stats.prompt_tokens = len(r.request.prompt_ids)
+            r.stats.target_forwards += -(-len(r.request.prompt_ids) // self.prefill_chunk)
+        dt = time.perf_counter() - t0
+        batch_stats.time_prefill += dt
+        for r in rows:
+            r.stats.time_prefill += dt
+        return rows, state
+
+    def _step(self, rows, state, tcache, dcache, params, gen, batch_stats):
+        t0 = time.perf_counter()
+        b = len(rows)
+        rows_arg = self._rows_arg(rows)
+        root = state["root"]
+        lengths = tcache.lengths[[r.slot for r in rows]]
+        speculate = self.drafter is not None
+        if speculate and int(lengths.max()) + self.shape.kept_nodes + 1 > self.max_length:
+            speculate = False  # too close to the context end for a tree: finish with plain steps
+        depth = self.shape.depth if speculate else 0
+        if speculate:
+            logits_d, state_d = self.proposer.extend(
+                dcache, rows_arg, state["ids"], state["aux"], state["cnt"]
+            )
+            tree = self.proposer.propose(dcache, rows_arg, root, logits_d, state_d)
+        else:
+            tree = root_only(root)
+        t1 = time.perf_counter()
+        base = lengths.to(self.device)[:, None]
+        positions = base + tree.depth
+        meta = tcache.prepare(rows_arg, tree.mask, positions)
+        h, aux = self.target(tree.tokens, positions, tcache, meta, capture_aux=speculate)
+        logits = self.target.logits(h)
+        if params.greedy:
+            acc = accept_greedy(tree, logits, depth)
+        else:
+            k = self.shape.top_k if speculate else 1
+            acc = accept_sampling(tree, target_probs(logits, params), depth, k, gen)
+        tcache.compact(rows_arg, acc.path, (acc.accepted + 1).cpu())
+        t2 = time.perf_counter()
+        path_tokens = tree.tokens.gather(1, acc.path)
+        new_state = {"root": acc.next_token, "ids": None, "aux": None, "cnt": None}
+        if speculate:
+            nxt = torch.cat([path_tokens[:, 1:], acc.next_token[:, None]], dim=1)
+            nxt.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
+            new_state["ids"] = nxt
+            new_state["aux"] = aux.gather(1, acc.path[:, :, None].expand(b, acc.path.shape[1], aux.shape[-1]))
+            new_state["cnt"] = acc.accepted + 1
+        elif self.drafter is not None:  # keep the drafter's pending pairs growing (rare: context end)
+            new_state.update(ids=state["ids"], aux=state["aux"], cnt=state["cnt"])
+        host = torch.cat([path_tokens, acc.accepted[:, None], acc.next_token[:, None]], dim=1).tolist()
+        out = []
+        n_draft = tree.num_draft
+        for r, row in zip(rows, host):
+            a = row[-2]
+            out.append(row[1 : a + 1] + [row[-1]])
+            r.stats.target_forwards += 1
+            if speculate:
+                r.stats.observe_draft(n_draft, a)
+                r.stats.drafter_forwards += self.shape.depth
+        t3 = time.perf_counter()
+        batch_stats.time_draft += t1 - t0
+        batch_stats.time_verify += t2 - t1
+        batch_stats.time_other += t3 - t2
+        for r in rows:
+            r.stats.time_draft += t1 - t0
+            r.stats.time_verify += t2 - t1
+            r.stats.time_other += t3 - t2
+        out.append(new_state)
+        return out
+
+    def _after_tokens(self, rows, new_tokens, on_tokens):
+        """Append accepted tokens (None: just admitted, first token already in place), stop, stream."""
+        for j, r in enumerate(rows):
+            if new_tokens is None:
+                start = len(r.output) - 1
+            else:
+                r.output.extend(new_tokens[j])
+                start = len(r.output) - len(new_tokens[j])
+            req = r.request
+            cut, reason = None, None
+            for i in range(start, len(r.output)):
+                if r.output[i] in req.stop_token_ids:
+                    cut, reason = i + 1, "stop"
+                    break
+            if cut is None and len(r.output) >= req.max_new_tokens:
+                cut, reason = req.max_new_tokens, "length"
+            if req.stop_strings and self.tokenizer is not None:
+                hit = self._stop_string(r, start, cut or len(r.output))
+                if hit is not None:
+                    cut, reason = hit
+            if cut is not None:
+                del r.output[cut:]
+                r.finish = reason
+            elif len(req.prompt_ids) + len(r.output) >= self.max_length:
+                r.finish = "length"
+            if on_tokens is not None and len(r.output) > start:
+                on_tokens(r.index, r.output[start:])
+
+    def _stop_string(self, r: _Row, start: int, end: int):
+        decode = self.tokenizer.decode
+        for j in range(start, end):
+            text = decode(r.output[: j + 1], skip_special_tokens=True)
+            for s in r.request.stop_strings:
+                pos = text.find(s)
+                if pos >= 0:
+                    r.text = text[:pos]
+                    return j + 1, "stop"
+        return None
+
+
+def _cat_state(a: dict, b: dict) -> dict:
+    out = {"root": torch.cat([a["root"], b["root"]])}
+    if a["ids"] is None:
+        return {**out, "ids": None, "aux": None, "cnt": None}
+    e = max(a["ids"].shape[1], b["ids"].shape[1])
+    pad = lambda x: (
+        torch.nn.functional.pad(x, (0, e - x.shape[1]))
+        if x.dim() == 2
+        else torch.nn.functional.pad(x, (0, 0, 0, e - x.shape[1]))
+    )
+    out["ids"] = torch.cat([pad(a["ids"]), pad(b["ids"])])
+    out["aux"] = torch.cat([pad(a["aux"]), pad(b["aux"])])
+    out["cnt"] = torch.cat([a["cnt"], b["cnt"]])
+    return out
+
+
+def _select_state(state: dict, keep: list[int]) -> dict:
+    idx = torch.tensor(keep, device=state["root"].device)
+    return {k: (v.index_select(0, idx) if v is not None else None) for k, v in state.items()}

@@ -1,0 +1,186 @@
+"""Per-sequence KV cache with tree writes, in-place path compaction and reusable slots.
+
+Layout per layer: K and V of shape [slots, kv_heads, capacity, head_dim]. Each slot holds one sequence;
+`lengths[slot]` counts its committed tokens. A step writes T new tokens of each row (slot) at cache
+positions lengths[row] .. lengths[row] + T - 1 without committing them; `commit` (prefill, plain
+decoding) or `compact` (speculation: keep only the accepted tree path) then advances the lengths.
+Slots are independent, so a server can start and finish sequences between steps without copying the
+others (continuous batching). Capacity grows on demand, so memory follows the longest live sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ContextLengthError(ValueError):
+    """A sequence would exceed the model's context window."""
+
+
+@dataclass
+class StepMeta:
+    """Everything a model's attention layers need for one step over `rows` of a cache.
+
+    rows:       [B] slot indices (or None for slots 0..B-1, which lets reads be views).
+    write_pos:  [B, T] cache positions the T new tokens are written to.
+    mask:       [B, 1, T, S] bool, True where query t may attend to cache column s (S = span).
+    span:       number of cache columns read this step.
+    """
+
+    rows: torch.Tensor | None
+    write_pos: torch.Tensor
+    mask: torch.Tensor
+    span: int
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        initial_capacity: int = 256,
+        sliding_window: int | None = None,
+    ):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_length = max_length
+        self.dtype, self.device = dtype, torch.device(device)
+        self.sliding_window = sliding_window
+        # Host-side lengths: step shapes are decided on the host, so no device sync is needed.
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self.in_use = [False] * num_slots
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._allocate(num_slots, min(initial_capacity, max_length))
+
+    # -- storage ---------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.numel()
+
+    def _allocate(self, num_slots: int, capacity: int) -> None:
+        shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.k:  # keep what is stored (growth is amortised: capacity at least doubles)
+            s, c = self.k[0].shape[0], self.capacity
+            for old, new in zip(self.k + self.v, new_k + new_v):
+                new[:s, :, :c] = old
+        self.k, self.v, self.capacity = new_k, new_v, capacity
+
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` positions per slot (raises ContextLengthError past max_length)."""
+        if needed > self.max_length:
+            raise ContextLengthError(
+                f"sequence needs {needed} positions but the model supports {self.max_length}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        if needed > self.capacity:
+            grown = max(needed, 2 * self.capacity)
+            grown = min(-(-grown // 256) * 256, self.max_length)
+            self._allocate(self.num_slots, grown)
+
+    def add_slots(self, n: int) -> None:
+        """Append n empty slots (continuous batching beyond the initial slot count)."""
+        self.lengths = torch.cat([self.lengths, torch.zeros(n, dtype=torch.long)])
+        self.in_use += [False] * n
+        old_k, old_v = self.k, self.v
+        self.k, self.v, cap = [], [], self.capacity
+        self.capacity = 0
+        self._allocate(self.num_slots, cap)
+        for old, new in zip(old_k + old_v, self.k + self.v):
+            new[: old.shape[0]] = old
+
+    def allocate(self) -> int:
+        """Take a free slot for a new sequence and return its index."""
+        for slot, used in enumerate(self.in_use):
+            if not used:
+                self.in_use[slot] = True
+                self.lengths[slot] = 0
+                return slot
+        self.add_slots(max(1, self.num_slots))
+        return self.allocate()
+
+    def free(self, slot: int) -> None:
+        self.in_use[slot] = False
+        self.lengths[slot] = 0
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.in_use = [False] * self.num_slots
+
+    # -- one step --------------------------------------------------------------------------------
+    def prepare(
+        self,
+        rows: torch.Tensor | None,
+        new_mask: torch.Tensor,
+        new_positions: torch.Tensor | None = None,
+    ) -> StepMeta:
+        """Plan a step that writes T new tokens per row after each row's committed tokens.
+
+        new_mask: [B, T, R + T] bool. Its last T columns say which new tokens each new token sees
+        (causal for prefill, ancestors for a tree); its first R columns cover the last R committed
+        entries of each row (earlier tree levels of the drafter), everything before those is visible.
+        new_positions: [B, T] token positions, needed only for a sliding window.
+        """
+        batch, t, width = new_mask.shape
+        recent = width - t
+        base_host = self.lengths[:batch] if rows is None else self.lengths[rows.cpu()]
+        span = int(base_host.max()) + t
+        self.reserve(span)
+        base = base_host.to(self.device, non_blocking=True)
+        write_pos = base[:, None] + torch.arange(t, device=self.device)
+        cols = torch.arange(span, device=self.device)
+        rel = cols[None, :] - (base[:, None] - recent)  # [B, S] column index into new_mask
+        explicit = (rel >= 0) & (rel < width)
+        picked = new_mask.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(batch, t, span))
+        mask = (rel < 0)[:, None, :] | (picked & explicit[:, None, :])
+        if self.sliding_window is not None and new_positions is not None:
+            # committed column s holds position s; new columns are within a tree's depth of the query
+            too_far = (new_positions[:, :, None] - cols[None, None, :]) >= self.sliding_window
+            mask &= ~(too_far & (rel < 0)[:, None, :])
+        return StepMeta(rows=rows, write_pos=write_pos, mask=mask[:, None], span=span)
+
+    def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store this step's K/V ([B, kv_heads, T, hd]) and return the K/V to attend over ([B, kv, S, hd])."""
+        k, v = self.k[layer], self.v[layer]
+        batch = k_new.shape[0]
+        rows = torch.arange(batch, device=self.device) if meta.rows is None else meta.rows
+        k[rows[:, None], :, meta.write_pos] = k_new.transpose(1, 2)
+        v[rows[:, None], :, meta.write_pos] = v_new.transpose(1, 2)
+        if meta.rows is None:
+            return k[:batch, :, : meta.span], v[:batch, :, : meta.span]
+        return k[meta.rows, :, : meta.span], v[meta.rows, :, : meta.span]
+
+    def commit(self, rows: torch.Tensor | None, counts: torch.Tensor) -> None:
+        """Keep the first counts[b] tokens written in the last step of row b (negative: forget)."""
+        counts = counts.cpu()
+        if rows is None:
+            self.lengths[: counts.numel()] += counts
+        else:
+            self.lengths[rows.cpu()] += counts
+
+    def compact(self, rows: torch.Tensor | None, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Move the kept tree nodes of the last step to contiguous positions and commit them.
+
+        keep: [B, L] indices (into the step's T new tokens) of the accepted path, in order; entries
+        past counts[b] are ignored. counts: [B] number of kept tokens per row.
+        """
+        batch, length = keep.shape
+        base_host = self.lengths[:batch] if rows is None else self.lengths[rows.cpu()]
+        base = base_host.to(self.device, non_blocking=True)[:, None]
+        src = base + keep.to(self.device)
+        dst = base + torch.arange(length, device=self.device)
+        r = torch.arange(batch, device=self.device) if rows is None else rows.to(self.device)
+        r = r[:, None]
+        for cache in self.k + self.v:
+            cache[r, :, dst] = cache[r, :, src]  # gather first, then scatter: overlap-safe
+        self.commit(rows, counts)

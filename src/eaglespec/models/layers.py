@@ -1,0 +1,116 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Linear layers are plain nn.Linear modules so that a weight-only quantizer can swap them.
+Numerics follow the `transformers` Llama implementation (norm in fp32, RoPE tables in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv_cache import KVCache, StepMeta
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32) if dtype in (torch.float16, torch.bfloat16) else x
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(hf_config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for a HF config, computed by `transformers` itself
+    (default, linear, llama3, yarn, ... rope types)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") == "dynamic":
+        raise ValueError("rope_type 'dynamic' changes with sequence length and is not supported")
+    rotary = LlamaRotaryEmbedding(hf_config)
+    return rotary.inv_freq.float(), float(rotary.attention_scaling)
+
+
+class Rotary(nn.Module):
+    """RoPE for arbitrary positions: tables are computed per step from the positions, so there is no
+    precomputed cache whose length could be exceeded (no cliff at max_position_embeddings)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, hd]; cos/sin: [B, T, hd]."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_dim, bias=o_bias)
+        if qk_norm_eps is not None:  # Qwen3: RMSNorm over each head before RoPE
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: StepMeta) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        keys, values = cache.write_and_read(layer, meta, k, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=meta.mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

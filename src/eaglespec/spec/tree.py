@@ -1,0 +1,103 @@
+"""Draft trees as tensors: EAGLE-2 candidate reranking, ancestor masks, depths, sibling tables.
+
+A tree of N+1 nodes per row: node 0 is the root (the last token the target produced, not yet in its
+cache), nodes 1..N are draft tokens sorted so that parents precede children. A chain is the tree
+with one child per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """tokens [B, N+1] target ids; parent [B, N+1] (root: -1); depth [B, N+1] (root: 0);
+    mask [B, N+1, N+1] bool, mask[b, i, j] = j is i or an ancestor of i."""
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def num_draft(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+@dataclass
+class Candidates:
+    """Everything the drafter proposed in one step, in generation order (level by level).
+
+    tokens, scores, parent, depth: [B, M]; parent is a candidate index or -1 for the root.
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+
+
+def root_only(root: torch.Tensor) -> DraftTree:
+    """The trivial tree (plain decoding): root tokens [B]."""
+    b = root.shape[0]
+    zeros = torch.zeros(b, 1, dtype=torch.long, device=root.device)
+    return DraftTree(
+        root[:, None], zeros - 1, zeros, torch.ones(b, 1, 1, dtype=torch.bool, device=root.device)
+    )
+
+
+def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parent [B, n] (-1 = none) -> [B, n, n] bool self-or-ancestor mask."""
+    b, n = parent.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parent.device).expand(b, n, n).clone()
+    mask = eye.clone()
+    cur = parent
+    for _ in range(max_depth):
+        valid = cur >= 0
+        if not bool(valid.any()):
+            break
+        mask |= eye.gather(1, cur.clamp(min=0)[:, :, None].expand(b, n, n)) & valid[:, :, None]
+        cur = torch.where(valid, parent.gather(1, cur.clamp(min=0)), cur)
+    return mask
+
+
+def build_tree(root: torch.Tensor, cand: Candidates, num_nodes: int, max_depth: int) -> DraftTree:
+    """Keep the `num_nodes` best candidates (EAGLE-2 rerank) and return the verification tree.
+
+    Scores are cumulative log-probs, so a child never outscores its parent; a tiny depth penalty breaks
+    ties so the kept set is always ancestor-closed.
+    """
+    b, m = cand.tokens.shape
+    if num_nodes < m:
+        key = cand.scores - 1e-6 * cand.depth
+        keep = key.topk(num_nodes, dim=-1).indices.sort(dim=-1).values  # generation order: parents first
+    else:
+        keep = torch.arange(m, device=root.device).expand(b, m)
+    # candidate index -> node index (root is node 0)
+    node_of = torch.full((b, m + 1), 0, dtype=torch.long, device=root.device)
+    node_of.scatter_(1, keep + 1, torch.arange(1, keep.shape[1] + 1, device=root.device).expand_as(keep))
+    cand_parent = cand.parent.gather(1, keep)
+    parent = node_of.gather(1, cand_parent + 1)  # candidate -1 (root) -> slot 0 -> node 0
+    minus1 = torch.full((b, 1), -1, dtype=torch.long, device=root.device)
+    parent = torch.cat([minus1, parent], dim=1)
+    tokens = torch.cat([root[:, None], cand.tokens.gather(1, keep)], dim=1)
+    depth = torch.cat([torch.zeros_like(minus1), cand.depth.gather(1, keep)], dim=1)
+    return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth))
+
+
+def children_table(parent: torch.Tensor, max_children: int) -> torch.Tensor:
+    """parent [B, n] -> [B, n, max_children] child node indices in index order, padded with -1."""
+    b, n = parent.shape
+    onehot = torch.zeros(b, n, n + 1, dtype=torch.long, device=parent.device)
+    onehot.scatter_(2, (parent + 1)[:, :, None], 1)  # column 0 = "no parent"
+    rank = (onehot.cumsum(1) * onehot).sum(-1) - 1  # rank of node among its siblings
+    table = torch.full((b, n + 1, max_children + 1), -1, dtype=torch.long, device=parent.device)
+    has = parent >= 0
+    rows = torch.arange(b, device=parent.device)[:, None].expand(b, n)
+    nodes = torch.arange(n, device=parent.device).expand(b, n)
+    r = torch.where(has, rank.clamp(max=max_children), torch.full_like(rank, max_children))
+    table[rows, torch.where(has, parent, torch.full_like(parent, n)), r] = torch.where(has, nodes, -1)
+    return table[:, :n, :max_children]
