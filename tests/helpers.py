@@ -49,7 +49,7 @@ def random_drafter(target, *, fc_norm=True, norm_output=True, draft_vocab=None, 
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():
-        for name, p in d.named_parameters():
+        for p in d.parameters():
             if p.dim() == 2:
                 p.normal_(0, scale)
     if draft_vocab is not None and draft_vocab < target.cfg.vocab_size:
