@@ -1,0 +1,127 @@
+"""Python API mirroring `eaglespec generate`: load models, turn inputs into requests, generate."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .engine import BatchOutput, Engine, Request
+from .models.checkpoint import CheckpointError, load_target
+from .models.drafter import load_drafter
+from .sampling import SamplingParams
+from .spec.proposer import TreeShape
+
+
+def default_models_dir() -> Path:
+    """`$EAGLESPEC_MODELS`, else the repository's models/ folder."""
+    env = os.environ.get("EAGLESPEC_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+
+
+def load_tokenizer(path):
+    """The HF tokenizer stored with a model, or None when the directory has none."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_engine(
+    target: str | os.PathLike,
+    draft: str | os.PathLike | None = None,
+    *,
+    mode: str = "tree",
+    tree: TreeShape | None = None,
+    chain_k: int = 4,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> Engine:
+    """Load a target (and drafter) directory into an Engine, validating that they fit."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    tgt = load_target(target, device=device, dtype=dtype)
+    drafter = None
+    if draft is not None and mode != "off":
+        drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
+    return Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target))
+
+
+def stop_ids_for(engine: Engine) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the target's generation_config.json."""
+    ids = set()
+    tok = engine.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    hf = engine.target.hf_config
+    eos = getattr(hf, "eos_token_id", None) if hf is not None else None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return tuple(sorted(ids))
+
+
+def parse_inputs(lines: list[dict], tokenizer, *, where: str = "input") -> list[list[int]]:
+    """Each item: {"prompt": str}, {"prompt_ids": [int]} or {"messages": [...]} (chat template)."""
+    prompts = []
+    for i, item in enumerate(lines):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} line {i + 1}: expected a JSON object, got {type(item).__name__}")
+        if "prompt_ids" in item:
+            ids = item["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
+                raise ValueError(f"{where} line {i + 1}: prompt_ids must be a list of integers")
+            prompts.append(ids)
+            continue
+        if tokenizer is None:
+            raise ValueError(f"{where} line {i + 1}: the target has no tokenizer; give prompt_ids instead of text")
+        if "messages" in item:
+            try:
+                ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # jinja/template errors carry the useful message
+                raise ValueError(f"{where} line {i + 1}: cannot apply the chat template: {e}") from None
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        elif "prompt" in item:
+            if not isinstance(item["prompt"], str):
+                raise ValueError(f"{where} line {i + 1}: prompt must be a string")
+            prompts.append(tokenizer.encode(item["prompt"], add_special_tokens=False))
+        else:
+            raise ValueError(f"{where} line {i + 1}: needs one of 'prompt', 'prompt_ids' or 'messages'")
+    return prompts
+
+
+def read_jsonl(path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"input file {str(path)!r} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+    if not items:
+        raise ValueError(f"input file {path} has no prompts")
+    return items
+
+
+def generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams = SamplingParams(),
+    *,
+    max_new_tokens: int = 128,
+    stop_strings: tuple[str, ...] = (),
+    batch_size: int = 1,
+    on_tokens=None,
+) -> BatchOutput:
+    reqs = [Request(p, max_new_tokens, stop_ids_for(engine), tuple(stop_strings)) for p in prompts]
+    return engine.generate(reqs, params, batch_size=batch_size, on_tokens=on_tokens)
+
+
+__all__ = ["CheckpointError", "generate", "load_engine", "load_tokenizer", "parse_inputs", "read_jsonl"]

@@ -1,0 +1,145 @@
+"""Command line: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text with speculative decoding (or plain with --mode off)")
+    p.add_argument("--target", help="HF target model directory (default: the bundled default target)")
+    p.add_argument("--draft", help="EAGLE-3/3.1 drafter directory (default: bundled; none = plain decoding)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--input", help='JSONL file: {"prompt": str} | {"prompt_ids": [int]} | {"messages": [...]}')
+    p.add_argument("--chat", action="store_true", help="render --prompt as a user message with the chat template")
+    p.add_argument("--mode", choices=["tree", "chain", "off"], default="tree")
+    p.add_argument("--tree-depth", type=int, default=4, help="max draft tokens on a tree path")
+    p.add_argument("--tree-topk", type=int, default=4, help="children per expanded tree node")
+    p.add_argument("--tree-tokens", type=int, default=16, help="draft tokens verified per step (tree)")
+    p.add_argument("--chain-k", type=int, default=4, help="draft tokens per step (chain)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--no-stream", action="store_true", help="do not stream a single prompt's text")
+    p.set_defaults(func=cmd_generate)
+
+
+def _resolve_models(args):
+    from .api import default_models_dir
+
+    root = default_models_dir()
+    target = args.target or (root / "target")
+    draft = args.draft
+    if draft is None and args.target is None:
+        for name in ("drafter-eagle3.1", "drafter-eagle3"):
+            if (root / name / "config.json").is_file():
+                draft = root / name
+                break
+    if not Path(target, "config.json").is_file():
+        if args.target is None:
+            raise ValueError(f"no --target given and no default target at {target}; pass --target DIR")
+    return target, draft
+
+
+def cmd_generate(args) -> int:
+    from .api import generate, load_engine, parse_inputs, read_jsonl
+    from .sampling import SamplingParams
+    from .spec.proposer import TreeShape
+
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.prompt is None and args.input is None:
+        raise ValueError("give --prompt TEXT or --input FILE.jsonl")
+    target, draft = _resolve_models(args)
+    tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
+    engine = load_engine(target, draft, mode=args.mode, tree=tree, chain_k=args.chain_k, device=args.device,
+                         dtype=args.dtype)  # fmt: skip
+    if args.prompt is not None:
+        item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+        items = [item]
+    else:
+        items = read_jsonl(args.input)
+    prompts = parse_inputs(items, engine.tokenizer, where="--prompt" if args.prompt is not None else args.input)
+    stream = len(prompts) == 1 and not args.json and not args.no_stream and engine.tokenizer is not None
+    printed = [""]
+    out_ids: list[int] = []
+
+    def on_tokens(_i, ids):
+        out_ids.extend(ids)
+        text = engine.tokenizer.decode(out_ids, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed[0]) :])
+        sys.stdout.flush()
+        printed[0] = text
+
+    if stream and args.prompt is not None and not args.chat:
+        sys.stdout.write(args.prompt)
+    out = generate(engine, prompts, params, max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
+                   batch_size=args.batch_size, on_tokens=on_tokens if stream else None)  # fmt: skip
+    for i, r in enumerate(out.results):
+        if args.json:
+            obj = {"index": i, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "finish_reason": r.finish_reason}
+            if r.text is not None:
+                obj["text"] = r.text
+            obj["stats"] = r.stats.to_dict()
+            print(json.dumps(obj))
+        elif not stream:
+            print(f"--- [{i}] " + (r.text if r.text is not None else " ".join(map(str, r.output_ids))))
+    s = out.stats
+    mode = engine.mode if engine.drafter is not None else "off"
+    summary = (
+        f"[eaglespec] mode={mode} prompts={len(prompts)} new_tokens={s.new_tokens} tau={s.tau:.2f} "
+        f"tokens/s={s.tokens_per_second:.1f} target_forwards/token={s.target_forwards / max(s.new_tokens, 1):.2f} "
+        f"time: prefill {s.time_prefill:.2f}s draft {s.time_draft:.2f}s verify {s.time_verify:.2f}s "
+        f"other {s.time_other:.2f}s"
+    )
+    if stream:
+        print()
+    print(summary, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def cmd_toy_models(args) -> int:
+    from .toy import make_toy_models
+
+    paths = make_toy_models(args.out, seed=args.seed)
+    print(f"wrote toy target to {paths[0]} and EAGLE-3.1 drafter to {paths[1]} (random weights: for plumbing only)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglespec", description="EAGLE-3/3.1 speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    p = sub.add_parser("toy-models", help="write a tiny random target + drafter (with a tokenizer) for trying things")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_toy_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .models.checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (ValueError, CheckpointError, OSError) as e:
+        print(f"eaglespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\neaglespec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
