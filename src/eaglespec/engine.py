@@ -16,6 +16,7 @@ from .kv_cache import ContextLengthError
 from .models.drafter import Eagle3Drafter, check_pair
 from .models.llama import LlamaTarget
 from .sampling import SamplingParams, make_generator, target_probs
+from .spec.governor import Governor
 from .spec.proposer import EagleProposer, TreeShape, causal_mask
 from .spec.tree import root_only
 from .spec.verify import accept_greedy, accept_sampling
@@ -63,6 +64,7 @@ class Engine:
     """Lossless speculative generation with an EAGLE-3/3.1 drafter (or plain decoding without one).
 
     mode: "tree" (EAGLE-2 dynamic tree of `tree` shape), "chain" (`chain_k` tokens), "off".
+    adaptive: fall back to plain steps while speculation measures slower (never changes output).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Engine:
         tokenizer=None,
         prefill_chunk: int = 512,
         max_length: int | None = None,
+        adaptive: bool = True,
     ):
         if mode not in ("tree", "chain", "off"):
             raise ValueError(f"mode must be 'tree', 'chain' or 'off', got {mode!r}")
@@ -95,6 +98,9 @@ class Engine:
             self.shape = TreeShape.chain(chain_k) if mode == "chain" else (tree or TreeShape())
             self.proposer = EagleProposer(self.drafter, self.shape)
         self.device = next(target.parameters()).device
+        self.adaptive = adaptive
+        self.governor = Governor(False)
+        self._governors: dict[int, Governor] = {}
 
     # -- public API ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -118,6 +124,9 @@ class Engine:
             extra = self.shape.top_k * self.shape.depth + 1
             dcache = self.drafter.new_cache(batch_size, max_length=self.max_length + extra)
         batch_stats = SpecStats()
+        # measurements persist across calls: the machine's speed does not change between requests
+        self.governor = self._governors.setdefault(batch_size, Governor(self.adaptive and self.drafter is not None))
+        self.governor.enabled = self.adaptive and self.drafter is not None
         waiting = list(range(len(requests)))
         rows: list[_Row] = []
         state = None  # batch tensors: root [B], pend_ids [B, E], pend_aux [B, E, A*H], pend_cnt [B]
@@ -175,9 +184,7 @@ class Engine:
                     f"{self.max_length}; shorten it to at most {self.max_length - 1} tokens"
                 )
             if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
-                raise ValueError(
-                    f"request {i}: max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}"
-                )
+                raise ValueError(f"request {i}: max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
 
     def _rows_arg(self, rows: list[_Row]):
         slots = [r.slot for r in rows]
@@ -253,14 +260,12 @@ class Engine:
         rows_arg = self._rows_arg(rows)
         root = state["root"]
         lengths = tcache.lengths[[r.slot for r in rows]]
-        speculate = self.drafter is not None
+        speculate = self.drafter is not None and self.governor.should_speculate()
         if speculate and int(lengths.max()) + self.shape.kept_nodes + 1 > self.max_length:
             speculate = False  # too close to the context end for a tree: finish with plain steps
         depth = self.shape.depth if speculate else 0
         if speculate:
-            logits_d, state_d = self.proposer.extend(
-                dcache, rows_arg, state["ids"], state["aux"], state["cnt"]
-            )
+            logits_d, state_d = self.proposer.extend(dcache, rows_arg, state["ids"], state["aux"], state["cnt"])
             tree = self.proposer.propose(dcache, rows_arg, root, logits_d, state_d)
         else:
             tree = root_only(root)
@@ -268,7 +273,7 @@ class Engine:
         base = lengths.to(self.device)[:, None]
         positions = base + tree.depth
         meta = tcache.prepare(rows_arg, tree.mask, positions)
-        h, aux = self.target(tree.tokens, positions, tcache, meta, capture_aux=speculate)
+        h, aux = self.target(tree.tokens, positions, tcache, meta, capture_aux=self.drafter is not None)
         logits = self.target.logits(h)
         if params.greedy:
             acc = accept_greedy(tree, logits, depth)
@@ -285,8 +290,8 @@ class Engine:
             new_state["ids"] = nxt
             new_state["aux"] = aux.gather(1, acc.path[:, :, None].expand(b, acc.path.shape[1], aux.shape[-1]))
             new_state["cnt"] = acc.accepted + 1
-        elif self.drafter is not None:  # keep the drafter's pending pairs growing (rare: context end)
-            new_state.update(ids=state["ids"], aux=state["aux"], cnt=state["cnt"])
+        elif self.drafter is not None:  # plain step: queue (state of root, next token) for the drafter
+            new_state.update(_append_pending(state, aux[:, 0], acc.next_token))
         host = torch.cat([path_tokens, acc.accepted[:, None], acc.next_token[:, None]], dim=1).tolist()
         out = []
         n_draft = tree.num_draft
@@ -298,6 +303,7 @@ class Engine:
                 r.stats.observe_draft(n_draft, a)
                 r.stats.drafter_forwards += self.shape.depth
         t3 = time.perf_counter()
+        self.governor.observe(speculate, sum(len(o) for o in out), t3 - t0)
         batch_stats.time_draft += t1 - t0
         batch_stats.time_verify += t2 - t1
         batch_stats.time_other += t3 - t2
@@ -362,6 +368,17 @@ def _cat_state(a: dict, b: dict) -> dict:
     out["aux"] = torch.cat([pad(a["aux"]), pad(b["aux"])])
     out["cnt"] = torch.cat([a["cnt"], b["cnt"]])
     return out
+
+
+def _append_pending(state: dict, aux: torch.Tensor, token: torch.Tensor) -> dict:
+    """Add one (aux state, next token) pair after each row's pending pairs."""
+    ids, pend_aux, cnt = state["ids"], state["aux"], state["cnt"]
+    ids = torch.nn.functional.pad(ids, (0, 1))
+    pend_aux = torch.nn.functional.pad(pend_aux, (0, 0, 0, 1))
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    ids[rows, cnt] = token
+    pend_aux[rows, cnt] = aux
+    return {"ids": ids, "aux": pend_aux, "cnt": cnt + 1}
 
 
 def _select_state(state: dict, keep: list[int]) -> dict:

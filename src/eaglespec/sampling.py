@@ -20,13 +20,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if (
-            not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature))
-            or self.temperature < 0
-        ):
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:

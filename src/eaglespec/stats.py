@@ -56,9 +56,7 @@ class SpecStats:
             a, b = getattr(self, name), getattr(other, name)
             if isinstance(a, list):
                 n = max(len(a), len(b))
-                setattr(
-                    out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
-                )
+                setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
             else:
                 setattr(out, name, a + b)
         return out
@@ -74,9 +72,7 @@ class SpecStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "target_forwards": self.target_forwards,
             "drafter_forwards": self.drafter_forwards,
-            "target_forwards_per_token": round(self.target_forwards / self.new_tokens, 4)
-            if self.new_tokens
-            else 0.0,
+            "target_forwards_per_token": round(self.target_forwards / self.new_tokens, 4) if self.new_tokens else 0.0,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "time_prefill_s": round(self.time_prefill, 6),

@@ -51,9 +51,7 @@ def _weight_files(path: Path) -> list[Path]:
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         return bins
-    raise CheckpointError(
-        f"{path} has no weights (model.safetensors, shards with an index, or pytorch_model.bin)"
-    )
+    raise CheckpointError(f"{path} has no weights (model.safetensors, shards with an index, or pytorch_model.bin)")
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -71,9 +71,7 @@ class DrafterConfig:
         eagle_cfg = raw.get("eagle_config") or {}
         layers = int(raw.get("num_hidden_layers", 1))
         if layers != 1:
-            raise CheckpointError(
-                f"drafter has num_hidden_layers={layers}; eaglespec supports 1-layer drafters"
-            )
+            raise CheckpointError(f"drafter has num_hidden_layers={layers}; eaglespec supports 1-layer drafters")
         ids = raw.get("eagle_aux_hidden_state_layer_ids", eagle_cfg.get("eagle_aux_hidden_state_layer_ids"))
         rope = raw.get("rope_parameters") or {}
         need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
@@ -278,8 +276,7 @@ def save_drafter(model: Eagle3Drafter, path, *, dtype: str | torch.dtype = "bf16
     """Write config.json (dialect A) + model.safetensors with bare keys (`midlayer.*`, `fc.weight`, ...)."""
     dt = parse_dtype(dtype)
     tensors = {
-        k: (v.to(dt) if v.is_floating_point() else v)
-        for k, v in drafter_state_dict(model, include_embedding).items()
+        k: (v.to(dt) if v.is_floating_point() else v) for k, v in drafter_state_dict(model, include_embedding).items()
     }
     cfg = model.cfg.to_dict()
     cfg["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dt, "float32")
@@ -300,9 +297,7 @@ def load_drafter(path, *, target=None, device="cpu", dtype="fp32") -> Eagle3Draf
         raise CheckpointError(f"{path}: has fc_norm.* tensors but config.json does not set fc_norm: true")
     model = Eagle3Drafter(cfg, own_embedding="embed_tokens.weight" in tensors)
     if "d2t" not in tensors and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(
-            f"{path}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size but no d2t tensor"
-        )
+        raise CheckpointError(f"{path}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size but no d2t tensor")
     tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
     if "t2d" not in tensors:  # derive from d2t (engines ignore t2d at inference)
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -324,15 +319,11 @@ def load_drafter(path, *, target=None, device="cpu", dtype="fp32") -> Eagle3Draf
 def _check_vocab_mapping(model: Eagle3Drafter, where: str) -> None:
     ids = model.draft_to_target
     if ids.numel() and (ids.min() < 0 or ids.max() >= model.cfg.vocab_size):
-        raise CheckpointError(
-            f"{where}: d2t maps draft ids outside the target vocabulary [0, {model.cfg.vocab_size})"
-        )
+        raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {model.cfg.vocab_size})")
     if ids.unique().numel() != ids.numel():
         raise CheckpointError(f"{where}: d2t maps several draft ids to the same target id")
     if int(model.t2d.sum()) != model.cfg.draft_vocab_size:
-        raise CheckpointError(
-            f"{where}: t2d has {int(model.t2d.sum())} entries set, expected draft_vocab_size"
-        )
+        raise CheckpointError(f"{where}: t2d has {int(model.t2d.sum())} entries set, expected draft_vocab_size")
 
 
 def check_pair(drafter: Eagle3Drafter, target, where: str = "drafter") -> None:

@@ -44,9 +44,7 @@ def root_only(root: torch.Tensor) -> DraftTree:
     """The trivial tree (plain decoding): root tokens [B]."""
     b = root.shape[0]
     zeros = torch.zeros(b, 1, dtype=torch.long, device=root.device)
-    return DraftTree(
-        root[:, None], zeros - 1, zeros, torch.ones(b, 1, 1, dtype=torch.bool, device=root.device)
-    )
+    return DraftTree(root[:, None], zeros - 1, zeros, torch.ones(b, 1, 1, dtype=torch.bool, device=root.device))
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
