@@ -57,7 +57,8 @@ def main():
         s = out.stats
         outputs[name] = [r.output_ids for r in out.results]
         rows.append({
-            "method": name, "tokens_per_s": s.new_tokens / wall, "target_forwards_per_token": s.target_forwards / s.new_tokens,
+            "method": name, "tokens_per_s": s.new_tokens / wall,
+            "target_forwards_per_token": s.target_forwards / s.new_tokens,
             "tau": s.tau, "draft_s": s.time_draft, "verify_s": s.time_verify, "other_s": s.time_other,
             "wall_s": wall, "all_walls_s": [r[0] for r in runs],
         })  # fmt: skip

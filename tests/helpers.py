@@ -43,9 +43,7 @@ def tiny_target(tmp_path, family="llama", dtype="fp32", **kw):
 
 
 def random_drafter(target, *, fc_norm=True, norm_output=True, draft_vocab=None, seed=1, scale=0.2):
-    cfg = new_drafter_config(
-        target.cfg, draft_vocab_size=draft_vocab, fc_norm=fc_norm, norm_output=norm_output
-    )
+    cfg = new_drafter_config(target.cfg, draft_vocab_size=draft_vocab, fc_norm=fc_norm, norm_output=norm_output)
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():

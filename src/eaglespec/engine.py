@@ -258,6 +258,7 @@ class Engine:
         t0 = time.perf_counter()
         b = len(rows)
         rows_arg = self._rows_arg(rows)
+        self.active_rows = rows  # read-only view for instrumentation (drift tools, rigged test proposers)
         root = state["root"]
         lengths = tcache.lengths[[r.slot for r in rows]]
         speculate = self.drafter is not None and self.governor.should_speculate()
