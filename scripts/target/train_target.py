@@ -327,7 +327,7 @@ def export(args):
     model = build_model(ckpt["hparams"]["model"])
     model.load_state_dict(ckpt["model"])
     model = model.to(torch.bfloat16).eval()
-    model.config.torch_dtype = "bfloat16"
+    model.config.dtype = torch.bfloat16
     out = Path(args.export)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
