@@ -81,3 +81,24 @@ def test_adaptive_governor_keeps_output(tmp_path):
     eng = Engine(target, random_drafter(target), mode="tree", adaptive=True)
     for _ in range(2):
         assert [r.output_ids for r in eng.generate(reqs).results] == plain
+
+
+@pytest.mark.parametrize("mode,shape", [("tree", TreeShape(4, 3, 10)), ("chain", None)])
+def test_rigged_perfect_drafts_high_tau(tmp_path, mode, shape):
+    target, hf, _ = tiny_target(tmp_path, "mistral")
+    prompts = _prompts(4, seed=13)
+    reqs = [Request(p, 30) for p in prompts]
+    plain = [r.output_ids for r in Engine(target).generate(reqs).results]
+    assert plain[0] == _hf_greedy(hf, prompts[0], 30)
+    drafter = random_drafter(target, fc_norm=False, norm_output=False, draft_vocab=50)
+    eng = Engine(target, drafter, mode=mode, tree=shape, chain_k=4, adaptive=False)
+    eng.proposer = RiggedProposer(eng, plain, 96)
+    out = eng.generate(reqs, batch_size=3)
+    assert [r.output_ids for r in out.results] == plain
+    s = out.stats
+    assert s.tau > 4 * 0.7 + 1, s.tau
+    # the true branch is always there, so every full draft is accepted at every position
+    # (only the last step of a row may be cut short by max_new_tokens, which is counted in full)
+    pos = s.per_position_acceptance
+    assert len(pos) == 4 and all(p > 0.95 for p in pos), pos
+    assert s.target_forwards < 0.35 * s.new_tokens

@@ -25,7 +25,9 @@ def test_logits_match_transformers(tmp_path, family, tie):
     torch.manual_seed(3)
     lens = torch.tensor([11, 6, 9])
     ids = torch.randint(0, 96, (3, 11))
+    assert model.aux_layers == (2, 2, 1)  # EAGLE-3 default (2, L//2, L-3) for L=4, in that order
     cache, logits, aux = _prefill(model, ids, lens)
+    assert aux.shape[-1] == 3 * 64
     with torch.no_grad():
         for b in range(3):
             n = int(lens[b])
@@ -73,3 +75,15 @@ def test_bf16_and_fp16_load(tmp_path):
         assert next(m.parameters()).dtype == torch_dt
         _, logits, _ = _prefill(m, torch.randint(0, 96, (1, 5)), torch.tensor([5]))
         assert torch.isfinite(logits).all()
+
+
+def test_aux_layers_six_layer_target(tmp_path):
+    hf = hf_tiny("qwen3", layers=6)
+    model = load_target(save_hf(hf, tmp_path / "m"))
+    assert model.aux_layers == (2, 3, 3)
+    ids = torch.randint(0, 96, (1, 8))
+    _, _, aux = _prefill(model, ids, torch.tensor([8]))
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+    for j, i in enumerate((2, 3, 3)):
+        assert (aux[0, :, j * 64 : (j + 1) * 64] - hs[i][0]).abs().max() <= 1e-4
