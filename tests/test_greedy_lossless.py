@@ -102,3 +102,15 @@ def test_rigged_perfect_drafts_high_tau(tmp_path, mode, shape):
     pos = s.per_position_acceptance
     assert len(pos) == 4 and all(p > 0.95 for p in pos), pos
     assert s.target_forwards < 0.35 * s.new_tokens
+
+
+def test_sliding_window_greedy_equals_transformers(tmp_path):
+    target, hf, _ = tiny_target(tmp_path, "mistral", sliding_window=8)
+    prompts = _prompts(3, seed=21)
+    reqs = [Request(p, 14) for p in prompts]
+    ref = [_hf_greedy(hf, p, 14) for p in prompts]
+    assert [r.output_ids for r in Engine(target).generate(reqs).results] == ref
+    eng = Engine(target, random_drafter(target), mode="tree", tree=TreeShape(3, 3, 8), adaptive=False)
+    eng.proposer = RiggedProposer(eng, ref, 96)  # long accepted paths cross the window edge
+    out = eng.generate(reqs, batch_size=2)
+    assert [r.output_ids for r in out.results] == ref and out.stats.tau > 2

@@ -87,3 +87,28 @@ def test_aux_layers_six_layer_target(tmp_path):
         hs = hf(ids, output_hidden_states=True).hidden_states
     for j, i in enumerate((2, 3, 3)):
         assert (aux[0, :, j * 64 : (j + 1) * 64] - hs[i][0]).abs().max() <= 1e-4
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Window 8 < prompt length: prefill (no explicit positions) and decode must both apply it."""
+    hf = hf_tiny("mistral", sliding_window=8)
+    model = load_target(save_hf(hf, tmp_path / "m"))
+    assert model.cfg.sliding_window == 8
+    torch.manual_seed(5)
+    lens = torch.tensor([21, 13])
+    ids = torch.randint(0, 96, (2, 21))
+    cache, logits, _ = _prefill(model, ids, lens)
+    with torch.no_grad():
+        for b in range(2):
+            n = int(lens[b])
+            assert (logits[b, :n] - hf(ids[b : b + 1, :n]).logits[0]).abs().max() <= 1e-4
+        seqs = [ids[b, : int(lens[b])].tolist() for b in range(2)]
+        for _ in range(3):
+            nxt = torch.randint(0, 96, (2, 1))
+            pos = cache.lengths[:2, None].clone()
+            meta = cache.prepare(None, torch.ones(2, 1, 1, dtype=torch.bool), pos)
+            h, _ = model(nxt, meta.write_pos, cache, meta)
+            cache.commit(None, torch.ones(2, dtype=torch.long))
+            for b in range(2):
+                seqs[b].append(int(nxt[b]))
+                assert (model.logits(h)[b, 0] - hf(torch.tensor([seqs[b]])).logits[0, -1]).abs().max() <= 1e-4

@@ -143,10 +143,16 @@ class KVCache:
         explicit = (rel >= 0) & (rel < width)
         picked = new_mask.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(batch, t, span))
         mask = (rel < 0)[:, None, :] | (picked & explicit[:, None, :])
-        if self.sliding_window is not None and new_positions is not None:
-            # committed column s holds position s; new columns are within a tree's depth of the query
-            too_far = (new_positions[:, :, None] - cols[None, None, :]) >= self.sliding_window
-            mask &= ~(too_far & (rel < 0)[:, None, :])
+        if self.sliding_window is not None:
+            # committed column s holds position s; a new column holds its token's position (without
+            # new_positions the new tokens are consecutive after the committed ones, as in prefill)
+            if new_positions is None:
+                new_positions = write_pos
+            new_positions = new_positions.to(self.device)
+            j = (rel - recent).clamp(0, t - 1)
+            col_pos = torch.where(rel >= recent, new_positions.gather(1, j), cols[None, :])
+            too_far = (new_positions[:, :, None] - col_pos[:, None, :]) >= self.sliding_window
+            mask &= ~too_far
         return StepMeta(rows=rows, write_pos=write_pos, mask=mask[:, None], span=span)
 
     def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
