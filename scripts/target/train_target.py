@@ -8,7 +8,8 @@ Three modes:
                        chat conversations rendered with the chat template)
   (default) / --resume train; checkpoints atomically to <run-dir>/ckpt.pt every --ckpt-minutes
                        and on SIGTERM/SIGINT; --resume continues exactly (model, optimizer, data RNG,
-                       torch RNG, step).  Config (model, schedule, mixture) comes from the checkpoint.
+                       torch RNG, step; the RNG state is the data cursor).  ``kill -USR1 <pid>`` checkpoints now
+                       and keeps training.  Config (model, schedule, mixture) comes from the checkpoint.
   --export DIR         write the checkpoint's weights as an HF directory (config.json,
                        model.safetensors in bf16, tokenizer files, generation_config.json).
 
@@ -248,12 +249,16 @@ def train(args):
         model.train()
         return res
 
-    stop = {"flag": False}
+    stop = {"flag": False, "save_now": False}
 
     def on_signal(sig, frame):
         stop["flag"] = True
+
+    def on_usr1(sig, frame):  # checkpoint at the next step and keep training (e.g. before an export)
+        stop["save_now"] = True
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, on_usr1)
 
     def save():
         atomic_torch_save({"model": model.state_dict(), "optim": opt.state_dict(), "np_rng": rng.bit_generator.state,
@@ -307,7 +312,8 @@ def train(args):
             t_log = time.time()  # exclude eval time from tok/s
         done = step >= hp["total_steps"] or (max_steps and steps_this_run >= max_steps) or \
             (args.max_minutes and time.time() - t_start > 60 * args.max_minutes)
-        if stop["flag"] or done or time.time() - last_ckpt > 60 * args.ckpt_minutes:
+        if stop["flag"] or done or stop["save_now"] or time.time() - last_ckpt > 60 * args.ckpt_minutes:
+            stop["save_now"] = False
             save()
             last_ckpt = time.time()
             print(f"checkpoint step {step} tokens {tokens} -> {ckpt_path}", flush=True)
