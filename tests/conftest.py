@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,7 +6,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))  # 2 cores on CI
 
 
 @pytest.fixture(autouse=True)

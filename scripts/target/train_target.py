@@ -194,6 +194,13 @@ def train(args):
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         hp = ckpt["hparams"]
         print(f"resuming from {ckpt_path} at step {ckpt['step']} ({ckpt['tokens'] / 1e6:.2f}M tokens)", flush=True)
+        if args.retarget_tokens:  # shorten/extend the schedule of a resumed run (cosine to the new end)
+            hp["total_tokens"] = int(args.retarget_tokens)
+            hp["total_steps"] = hp["total_tokens"] // (hp["batch"] * hp["seq"])
+            print(f"resume: schedule now ends at {hp['total_steps']} steps", flush=True)
+        if not args.bf16 and hp["bf16"]:  # e.g. moved to a CPU without native bf16 (AVX2 only): fp32 is faster
+            hp["bf16"] = False
+            print("resume: bf16 autocast switched off (--no-bf16)", flush=True)
     else:
         if ckpt_path.exists() and not args.overwrite:
             sys.exit(f"{ckpt_path} exists: use --resume (or --overwrite to start over)")
@@ -203,8 +210,18 @@ def train(args):
                   total_tokens=int(args.total_tokens), total_steps=int(args.total_tokens) // tokens_per_step,
                   weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, seed=args.seed, bf16=args.bf16,
                   eval_every=args.eval_every, val_windows=args.val_windows)
+        if args.init_from:
+            hp["init_from"] = str(args.init_from)
+            hp["init_state"] = json.loads((Path(args.init_from) / "training_state.json").read_text())
         (run_dir / "hparams.json").write_text(json.dumps(hp, indent=1))
     model = build_model(hp["model"])
+    if ckpt is None and hp.get("init_from"):
+        from safetensors.torch import load_file
+        sd = load_file(str(Path(hp["init_from"]) / "model.safetensors"))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:  # lm_head is tied to the embedding
+            sys.exit(f"--init-from {hp['init_from']}: weights do not fit: missing {missing}, unexpected {unexpected}")
+        print(f"warm start from {hp['init_from']} ({hp['init_state']})", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -347,10 +364,15 @@ def export(args):
     (tmp / "special_tokens_map.json").write_text(json.dumps({
         "bos_token": "<|endoftext|>", "eos_token": "<|end|>", "pad_token": "<|pad|>",
         "additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>"]}, indent=1))
-    (tmp / "training_state.json").write_text(json.dumps({
-        "step": ckpt["step"], "tokens": ckpt["tokens"], "train_seconds": round(ckpt["elapsed"], 1),
-        "planned_tokens": ckpt["hparams"]["total_tokens"], "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }, indent=1))
+    init = ckpt["hparams"].get("init_state") or {"step": 0, "tokens": 0, "train_seconds": 0.0}
+    state = {"step": ckpt["step"], "tokens": ckpt["tokens"], "train_seconds": round(ckpt["elapsed"], 1),
+             "planned_tokens": ckpt["hparams"]["total_tokens"],
+             "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if ckpt["hparams"].get("init_from"):  # warm-started run: totals include the run it started from
+        state["warm_start"] = {"from": init, "this_run": {k: state[k] for k in ("step", "tokens", "train_seconds")}}
+        state.update(step=init["step"] + ckpt["step"], tokens=init["tokens"] + ckpt["tokens"],
+                     train_seconds=round(init["train_seconds"] + ckpt["elapsed"], 1))
+    (tmp / "training_state.json").write_text(json.dumps(state, indent=1))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -374,6 +396,11 @@ def main():
     ap.add_argument("--export", metavar="DIR")
     ap.add_argument("--no-check", action="store_true", help="export: skip the load+generate check")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--retarget-tokens", type=float, default=0.0,
+                    help="with --resume: change the token budget (the cosine schedule ends there)")
+    ap.add_argument("--init-from", metavar="DIR",
+                    help="warm start: load the weights of an exported HF directory (e.g. models/target) and train "
+                         "with a fresh optimizer and schedule (the checkpoint it came from is gone)")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--corpus", default=str(ROOT / "data/corpus"))
     ap.add_argument("--tokenizer", default=str(ROOT / "data/tokenizer"))

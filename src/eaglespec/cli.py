@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_toy_models)
+    from .train.cli import add_parsers as _add_training
+
+    _add_training(sub)
     return parser
 
 

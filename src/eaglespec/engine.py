@@ -239,9 +239,9 @@ class Engine:
         first = self._pick(self.target.logits(last_h), params, gen)
         state = {
             "root": first,
-            "ids": first[:, None],
+            "ids": first[:, None] if use_drafter else None,
             "aux": last_aux[:, None] if use_drafter else None,
-            "cnt": torch.ones(b, dtype=torch.long, device=self.device),
+            "cnt": torch.ones(b, dtype=torch.long, device=self.device) if use_drafter else None,
         }
         firsts = first.tolist()
         for r, tok in zip(rows, firsts):

@@ -248,13 +248,19 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def forward(self, ids, hidden, positions, cache: KVCache, meta: StepMeta):
+        attend = lambda u, cos, sin: self.midlayer.self_attn(u, cos, sin, cache, 0, meta)
+        return self.step(ids, hidden, positions, attend)
+
+    def step(self, ids, hidden, positions, attend):
+        """The layer math with attention supplied by the caller: attend(u, cos, sin) -> [B, T, H].
+        Inference attends through the KV cache; training-time test through its own TTT mask."""
         layer = self.midlayer
         e = self.embed(ids).to(hidden.dtype)
         hn = layer.hidden_norm(hidden)
         residual = hn if self.cfg.norm_before_residual else hidden
         u = torch.cat([layer.input_layernorm(e), hn], dim=-1)
         cos, sin = self.rotary(positions, hidden.dtype)
-        x = residual + layer.self_attn(u, cos, sin, cache, 0, meta)
+        x = residual + attend(u, cos, sin)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         n = self.norm(x)
         state = n if self.cfg.norm_output else x  # EAGLE-3.1 feeds the post-norm state back

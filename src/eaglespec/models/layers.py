@@ -86,20 +86,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: StepMeta) -> torch.Tensor:
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, hd] and k, v [B, kv_heads, T, hd], RoPE applied to q and k."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        keys, values = cache.write_and_read(layer, meta, k, v.transpose(1, 2))
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, heads, T, hd] -> o_proj output [B, T, out_dim]."""
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: StepMeta) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        keys, values = cache.write_and_read(layer, meta, k, v)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=meta.mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.out(out)
 
 
 class MLP(nn.Module):
