@@ -9,10 +9,9 @@ import torch
 
 from eaglespec.api import generate, load_engine
 from eaglespec.cli import main
-from eaglespec.sampling import SamplingParams
+from eaglespec.toy import make_toy_models
 from eaglespec.train.regen import regen
 from eaglespec.train.shards import DataError, load_samples, read_shard
-from eaglespec.toy import make_toy_models
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,8 @@ def _masked_spans(sample):
 
 
 def test_regen_masks_exactly_the_regenerated_replies(toy, tmp_path):
-    conv = {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "OLD"},
-                         {"role": "user", "content": "and sub?"}, {"role": "assistant", "content": "OLD2"}]}  # fmt: skip
+    turns = [("user", "def add(a, b):"), ("assistant", "OLD"), ("user", "and sub?"), ("assistant", "OLD2")]
+    conv = {"messages": [{"role": r, "content": c} for r, c in turns]}
     items = [conv, {"prompt": "import os", "chat": False}, {"text": "x = 1\ny = 2\n"}]
     out = tmp_path / "data"
     stats = regen(_write(tmp_path / "in.jsonl", items), out, target=toy, max_new_tokens=8, progress=False)
@@ -113,7 +112,8 @@ def test_cli_regen_vocab_and_train(toy, tmp_path, capsys):
     assert f"covers {report['coverage']:.2%}" in printed and report["draft_vocab_size"] == 50
     assert main(["train", "--target", toy, "--data", str(tmp_path / "d"), "--vocab", str(tmp_path / "v"),
                  "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4", "--depth", "2",
-                 "--eval-every", "1", "--eval-prompts", "2", "--val-fraction", "0.2", "--no-progress"]) == 0  # fmt: skip
+                 "--eval-every", "1", "--eval-prompts", "2", "--val-fraction", "0.2",
+                 "--no-progress"]) == 0  # fmt: skip
     cfg = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 50 and cfg["fc_norm"] and cfg["norm_output"]
     evals = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
