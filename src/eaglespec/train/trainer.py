@@ -80,15 +80,15 @@ class TrainConfig:
 
 
 # -- setup -----------------------------------------------------------------------------------------
-def _dist():
-    """(rank, world) and initialise torch.distributed when launched by torchrun."""
+def _dist(device: str):
+    """(rank, world) and initialise torch.distributed when launched by torchrun (nccl on GPU, gloo on CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() and os.environ.get("EAGLESPEC_NCCL") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return dist.get_rank(), world
 
 
@@ -165,7 +165,7 @@ class Trainer:
             raise ValueError(f"depth must be >= 1, got {cfg.depth}")
         if cfg.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {cfg.dtype!r}")
-        self.rank, self.world = _dist()
+        self.rank, self.world = _dist(cfg.device)
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {self.world}")
         gpu = f"cuda:{self.rank % max(1, torch.cuda.device_count())}"
