@@ -12,7 +12,7 @@ def add_parsers(sub) -> None:
     dsub = data.add_subparsers(dest="data_command", required=True)
 
     p = dsub.add_parser("regen", help="regenerate assistant replies with the target -> token ids + loss masks")
-    p.add_argument("--target", required=True, help="HF target model directory (with tokenizer)")
+    p.add_argument("--target", help="HF target model directory with tokenizer (default: the bundled target)")
     p.add_argument("--input", required=True, help='JSONL: {"messages": [...]} | {"prompt": str} | {"text": str}')
     p.add_argument("--out", required=True, help="output data directory (resumes when it exists)")
     p.add_argument("--draft", help="optional drafter to speed up generation (output is unchanged)")
@@ -28,21 +28,21 @@ def add_parsers(sub) -> None:
 
     p = dsub.add_parser("vocab", help="choose the draft vocabulary (d2t/t2d) and report its coverage")
     p.add_argument("--data", required=True, help="data directory from `data regen`")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", help="target model directory (default: the bundled target)")
     p.add_argument("--size", type=int, required=True, help="draft vocabulary size Vd")
     p.add_argument("--out", required=True, help="directory for vocab.safetensors + vocab_report.json")
     p.set_defaults(func=cmd_vocab)
 
     p = dsub.add_parser("states", help="cache target aux states + top-k probabilities for offline training")
     p.add_argument("--data", required=True)
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", help="target model directory (default: the bundled target)")
     p.add_argument("--out", required=True)
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=cmd_states)
 
     p = sub.add_parser("train", help="train an EAGLE-3.1 / EAGLE-3 drafter with training-time test")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", help="target model directory (default: the bundled target)")
     p.add_argument("--data", required=True, help="data directory from `data regen`")
     p.add_argument("--out", required=True, help="run directory (checkpoints, final/, metrics, plots)")
     p.add_argument("--states", help="offline features from `data states` (default: online target forward)")
@@ -68,8 +68,17 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _default_target(args) -> None:
+    if args.target is None:
+        from ..api import default_models_dir
+
+        args.target = str(default_models_dir() / "target")
+
+
 def cmd_regen(args) -> int:
     from .regen import regen
+
+    _default_target(args)
 
     stats = regen(args.input, args.out, target=args.target, draft=args.draft, temperature=args.temperature,
                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
@@ -79,6 +88,7 @@ def cmd_regen(args) -> int:
 
 
 def cmd_vocab(args) -> int:
+    _default_target(args)
     from ..models.checkpoint import read_config
     from .regen import target_fingerprint
     from .shards import load_samples
@@ -97,6 +107,7 @@ def cmd_vocab(args) -> int:
 
 
 def cmd_states(args) -> int:
+    _default_target(args)
     from .states import build_states
 
     res = build_states(args.data, args.out, target=args.target, topk=args.topk, batch_size=args.batch_size)
@@ -106,6 +117,7 @@ def cmd_states(args) -> int:
 
 
 def cmd_train(args) -> int:
+    _default_target(args)
     from .trainer import TrainConfig, Trainer
 
     names = {f.name for f in fields(TrainConfig)}
