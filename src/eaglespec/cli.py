@@ -16,11 +16,12 @@ def _add_generate(sub):
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input", help='JSONL file: {"prompt": str} | {"prompt_ids": [int]} | {"messages": [...]}')
     p.add_argument("--chat", action="store_true", help="render --prompt as a user message with the chat template")
-    p.add_argument("--mode", choices=["tree", "chain", "off"], default="tree")
-    p.add_argument("--tree-depth", type=int, default=4, help="max draft tokens on a tree path")
-    p.add_argument("--tree-topk", type=int, default=4, help="children per expanded tree node")
-    p.add_argument("--tree-tokens", type=int, default=16, help="draft tokens verified per step (tree)")
-    p.add_argument("--chain-k", type=int, default=4, help="draft tokens per step (chain)")
+    # None = not given: use the settings saved by `eaglespec bench --auto`, else tree 4/4/16, chain 4
+    p.add_argument("--mode", choices=["tree", "chain", "off"], default=None, help="default: tuned, else tree")
+    p.add_argument("--tree-depth", type=int, default=None, help="max draft tokens on a tree path (default 4)")
+    p.add_argument("--tree-topk", type=int, default=None, help="children per expanded tree node (default 4)")
+    p.add_argument("--tree-tokens", type=int, default=None, help="draft tokens verified per step (tree, default 16)")
+    p.add_argument("--chain-k", type=int, default=None, help="draft tokens per step (chain, default 4)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,9 +62,14 @@ def cmd_generate(args) -> int:
     if args.prompt is None and args.input is None:
         raise ValueError("give --prompt TEXT or --input FILE.jsonl")
     target, draft = _resolve_models(args)
-    tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
-    engine = load_engine(target, draft, mode=args.mode, tree=tree, chain_k=args.chain_k, device=args.device,
+    from .bench.tuned import describe, generate_settings
+
+    spec, source = generate_settings(args, target, draft)
+    tree = TreeShape(spec["tree_depth"], spec["tree_topk"], spec["tree_tokens"])
+    engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
                          dtype=args.dtype)  # fmt: skip
+    if engine.drafter is not None:
+        print(f"[eaglespec] settings: {describe(spec)} ({source})", file=sys.stderr)
     if args.prompt is not None:
         item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
         items = [item]
@@ -116,6 +122,18 @@ def cmd_toy_models(args) -> int:
     return 0
 
 
+def _add_drift(sub):
+    from .drift.command import add_drift_parser
+
+    add_drift_parser(sub)
+
+
+def _add_bench(sub):
+    from .bench.cli import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglespec", description="EAGLE-3/3.1 speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.cli import add_parsers as _add_training
 
     _add_training(sub)
+    _add_bench(sub)
+    _add_drift(sub)
     return parser
 
 

@@ -1,0 +1,89 @@
+"""`eaglespec drift`: attention-drift diagnostics for one or more drafters on the same prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_DRAFTERS = ("drafter-eagle3.1", "drafter-eagle3")
+
+
+def add_drift_parser(sub) -> None:
+    p = sub.add_parser("drift", help="attention-drift diagnostics: attention, state RMS and acceptance per draft depth")
+    p.add_argument("--target", help="HF target model directory (default: the bundled default target)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="drafter directory; repeat to compare (default: the bundled EAGLE-3.1 and EAGLE-3 drafters)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a few chat and code prompts)")
+    src.add_argument("--input", help='JSONL file: {"prompt": str} | {"prompt_ids": [int]} | {"messages": [...]}')
+    p.add_argument("--chat", action="store_true", help="render --prompt as a user message with the chat template")
+    p.add_argument("--depth", type=int, default=8, help="draft chain length D")
+    p.add_argument("--sink-tokens", type=int, default=4, help="the first S context tokens count as attention sinks")
+    p.add_argument("--positions", type=int, default=16,
+                   help="chains per prompt: after the prompt and after each of the first N-1 generated tokens")
+    p.add_argument("--out", default="runs/drift", help="output folder for drift.json, verdict.txt, table.md, plots")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_drift)
+
+
+def resolve_paths(target: str | None, drafts: list[str]) -> tuple[Path, list[Path]]:
+    """Like `generate`: the bundled target and drafters unless given (bundled drafters only with the
+    bundled target, which they were trained for)."""
+    from ..api import default_models_dir
+
+    root = default_models_dir()
+    if drafts:
+        return Path(target) if target else root / "target", [Path(d) for d in drafts]
+    if target is not None:
+        raise ValueError("give --draft DIR: the bundled drafters only fit the bundled target")
+    found = [root / name for name in DEFAULT_DRAFTERS if (root / name / "config.json").is_file()]
+    if not found:
+        raise ValueError(f"no --draft given and no bundled drafter ({', '.join(DEFAULT_DRAFTERS)}) in {root}")
+    return root / "target", found
+
+
+def prompt_items(args, tokenizer) -> tuple[list[dict], str]:
+    """The prompts as `generate` input items, and where they come from (for error messages)."""
+    from ..api import read_jsonl
+    from .measure import DEFAULT_PROMPTS
+
+    if args.prompt is not None:
+        item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+        return [item], "--prompt"
+    if args.input is not None:
+        return read_jsonl(args.input), args.input
+    items = DEFAULT_PROMPTS
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):  # no template: chat turns as text
+        items = [{"prompt": x["messages"][-1]["content"]} if "messages" in x else x for x in items]
+    return items, "the default prompt set"
+
+
+def cmd_drift(args) -> int:
+    from ..api import load_engine, parse_inputs
+    from ..models.drafter import load_drafter
+    from .measure import DepthProfile, greedy_sequences, measure_drafter
+    from .report import write_report
+
+    for name in ("depth", "sink_tokens", "positions"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    target_dir, draft_dirs = resolve_paths(args.target, args.draft)
+    engine = load_engine(target_dir, None, mode="off", device=args.device)
+    drafters = [load_drafter(d, target=engine.target, device=args.device) for d in draft_dirs]
+    items, where = prompt_items(args, engine.tokenizer)
+    prompts = parse_inputs(items, engine.tokenizer, where=where)
+    sequences = greedy_sequences(engine, prompts, args.positions + args.depth)
+    prompt_lens = [len(p) for p in prompts]
+    profiles = []
+    for path, drafter in zip(draft_dirs, drafters):
+        record = measure_drafter(engine.target, drafter, sequences, prompt_lens, depth=args.depth,
+                                 sink_tokens=args.sink_tokens, positions=args.positions)  # fmt: skip
+        profiles.append(DepthProfile.from_record(f"{drafter.cfg.eagle_version} ({path.name})", str(path), drafter,
+                                                 record))  # fmt: skip
+    settings = {
+        "target": str(target_dir), "drafters": [str(d) for d in draft_dirs], "prompts": len(prompts),
+        "prompt_source": where, "depth": args.depth, "sink_tokens": args.sink_tokens, "positions": args.positions,
+        "device": args.device,
+    }  # fmt: skip
+    print(write_report(profiles, args.out, settings), end="")
+    print(f"[eaglespec] wrote drift.json, verdict.txt, table.md and plots to {args.out}")
+    return 0
