@@ -1,0 +1,159 @@
+"""`eaglespec bench`: arguments and the command (a report, a sweep, or --auto)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+MISMATCH_EXIT = 3  # the lossless check failed (report written); 2 = bad input, as for every command
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark plain / chain / tree decoding per drafter against transformers peers on the prompt suites",
+        description="Measure methods side by side on the same prompts; check greedy outputs are identical. "
+        f"Exit code {MISMATCH_EXIT} when a lossless method's output differs (the report is still written).",
+    )
+    p.add_argument("--target", help="HF target model directory (default: the bundled target)")
+    p.add_argument("--draft", action="append", default=[], help="drafter directory (repeatable)")
+    p.add_argument("--drafts", help="comma-separated drafter directories (e.g. EAGLE-3.1,EAGLE-3 side by side)")
+    p.add_argument("--categories", help="comma-separated suites (default: all; sweeps: chat,code)")
+    p.add_argument("--limit", help="first N prompts per category, or 'all' (default: 4; sweeps 2; context 1)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--methods", help="plain,chain,tree,hf_generate,hf_assisted,prompt_lookup (default: all)")
+    p.add_argument("--batch-size", type=int, default=1, help="our methods' batch size (peers run at 1)")
+    p.add_argument("--out", default="runs/bench", help="output folder for JSON, Markdown and PNG files")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the lossless check needs 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree-depth", type=int, default=4)
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-tokens", type=int, default=16)
+    p.add_argument("--chain-k", type=int, default=4)
+    p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
+    p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
+    p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
+    p.add_argument("--auto", action="store_true",
+                   help="quick shape sweep; save the best per drafter for `eaglespec generate` (see bench/tuned.py)")
+    p.set_defaults(func=cmd_bench)
+
+
+def resolve(args) -> tuple[Path, list[Path]]:
+    """Target and drafters: as given, else the bundled models/target and every bundled default drafter."""
+    from ..api import default_models_dir
+
+    root = default_models_dir()
+    target = Path(args.target) if args.target else root / "target"
+    if not (target / "config.json").is_file():
+        raise ValueError(f"target directory {str(target)!r} does not exist or has no config.json; pass --target DIR")
+    drafts = [Path(d) for d in args.draft] + [Path(d.strip()) for d in (args.drafts or "").split(",") if d.strip()]
+    if not drafts and args.target is None:
+        drafts = [root / n for n in ("drafter-eagle3.1", "drafter-eagle3") if (root / n / "config.json").is_file()]
+    for d in drafts:
+        if not (d / "config.json").is_file():
+            raise ValueError(f"drafter directory {str(d)!r} does not exist or has no config.json")
+    return target, drafts
+
+
+def parse_limit(text: str | None, default: int | None) -> int | None:
+    if text is None:
+        return default
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--limit must be a positive integer or 'all', got {text!r}")
+    return int(text)
+
+
+def cmd_bench(args) -> int:
+    from ..sampling import SamplingParams
+    from ..spec.proposer import TreeShape
+    from . import report as rep
+    from .methods import build_methods, load_models, parse_kinds
+    from .runner import RunConfig, describe_mismatches, run_bench
+    from .suites import load_prompts, parse_categories
+
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError("--batch-size and --max-new-tokens must be >= 1")
+    if args.auto and args.sweep not in (None, "tree"):
+        raise ValueError("--auto runs a shape sweep; it cannot be combined with --sweep batch/context")
+    sweep = "tree" if args.auto else args.sweep
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    target, drafts = resolve(args)
+    kinds = parse_kinds(args.methods)
+    if args.methods is None and not drafts:
+        kinds = [k for k in kinds if k not in ("chain", "tree")]
+        print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
+    tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
+    categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
+    models = load_models(target, drafts, args.dtype)
+    cfg = RunConfig(args.max_new_tokens, args.batch_size, params)
+    out = Path(args.out)
+    from_shell = sys.argv[0].endswith("eaglespec")
+    command = "eaglespec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if from_shell else None
+    log = lambda msg: print(msg, file=sys.stderr)
+    max_len = models.target.cfg.max_position_embeddings
+
+    if sweep is None:
+        prompts, skipped = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 4),
+                                        max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip
+        methods = build_methods(kinds, models, tree=tree, chain_k=args.chain_k, adaptive=not args.no_adaptive)
+        report = run_bench(methods, prompts, cfg, log)
+        report.update(target=str(target), drafts=[str(d) for d in drafts], skipped=skipped, command=command)
+        files = rep.write_bench(report, out)
+        print(rep.bench_markdown(report))
+        print(f"[bench] wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+        check = report["lossless_check"]
+        if check["applicable"] and not check["passed"]:
+            for line in describe_mismatches(check):
+                print(line, file=sys.stderr)
+            return MISMATCH_EXIT
+        return 0
+    return run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log)
+
+
+def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log) -> int:
+    from . import report as rep
+    from . import sweeps
+    from .methods import engine_methods
+    from .suites import load_prompts, load_suite, tokenize_suite
+    from .tuned import describe, save_tuned
+
+    max_len = models.target.cfg.max_position_embeddings
+    if sweep == "context":
+        lengths = sweeps.parse_values(args.sweep_values, sweeps.CONTEXTS, "context")
+        fits = [n for n in lengths if n + args.max_new_tokens <= max_len]
+        longs = tokenize_suite(load_suite("long_context"), "long_context", models.tokenizer)
+        by_length = sweeps.context_prompts(longs, fits, parse_limit(args.limit, 1) or len(longs))
+        methods = engine_methods(models, [k for k in kinds if k in ("plain", "chain", "tree")], tree=tree,
+                                 chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
+        result = sweeps.sweep_context(methods, by_length, cfg, log)
+    else:
+        prompts, _ = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 2),
+                                  max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip
+        pool = [p for items in prompts.values() for p in items]
+        if sweep == "batch":
+            sizes = sweeps.parse_values(args.sweep_values, sweeps.BATCH_SIZES, "batch")
+            methods = engine_methods(models, [k for k in kinds if k in ("plain", "chain", "tree")], tree=tree,
+                                     chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
+            result = sweeps.sweep_batch(methods, pool, cfg, sizes, log)
+        else:
+            grid = sweeps.parse_grid(args.grid, sweeps.QUICK_GRID if args.auto else sweeps.FULL_GRID)
+            result = sweeps.sweep_tree(models, pool, cfg, grid, log)
+    result.update(target=str(models.target_dir), command=command, config={
+        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "temperature": cfg.params.temperature})
+    files = rep.write_sweep(result, out)
+    print(rep.sweep_markdown(result))
+    print(f"[bench] wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    if args.auto:
+        for label, best in result["best"].items():
+            path = save_tuned(models.target_dir, best["drafter_path"], best["settings"],
+                              {k: best[k] for k in ("tokens_per_s", "tau", "speedup")})  # fmt: skip
+            note = "" if (best["speedup"] or 0) >= 1 else " (slower than plain here: generate's governor falls back)"
+            print(f"[bench] --auto: {label}: saved {describe(best['settings'])} to {path}{note}")
+    return 0
