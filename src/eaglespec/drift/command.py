@@ -19,7 +19,7 @@ def add_drift_parser(sub) -> None:
     p.add_argument("--depth", type=int, default=8, help="draft chain length D")
     p.add_argument("--sink-tokens", type=int, default=4, help="the first S context tokens count as attention sinks")
     p.add_argument("--positions", type=int, default=16,
-                   help="chains per prompt: after the prompt and after each of the first N-1 generated tokens")
+                   help="chains per prompt: one rooted at each of the target's first N generated tokens")
     p.add_argument("--out", default="runs/drift", help="output folder for drift.json, verdict.txt, table.md, plots")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_drift)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .measure import DepthProfile
 
@@ -67,35 +68,47 @@ def summary_text(profiles: list[DepthProfile]) -> str:
 
 def table_markdown(profiles: list[DepthProfile]) -> str:
     """One row per drafter and depth: the numbers behind the plots."""
-    rows = ["| drafter | depth | sink | context | own | fed-back RMS | pre-norm RMS | acceptance |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = ["| drafter | depth | sink | context | own | own if uniform | fed-back RMS | pre-norm RMS | acceptance |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for p in profiles:
         for d in range(p.depth):
             rows.append(
                 f"| {p.label} | {d + 1} | {p.sink_mass[d]:.3f} | {p.context_mass[d]:.3f} | {p.own_mass[d]:.3f} | "
-                f"{p.fed_back_rms[d]:.2f} | {p.prenorm_rms[d]:.2f} | {p.acceptance[d]:.3f} |"
+                f"{p.own_uniform[d]:.3f} | {p.fed_back_rms[d]:.2f} | {p.prenorm_rms[d]:.2f} | {p.acceptance[d]:.3f} |"
             )
     return "\n".join(rows) + "\n"
 
 
-PLOTS = {  # file name -> (title, y label, [(profile field, line style suffix)])
-    "sink_mass": ("Attention mass on the sink tokens", "mass", [("sink_mass", "")]),
-    "own_mass": ("Attention mass on own drafted tokens", "mass", [("own_mass", ""), ("own_uniform", " (uniform)")]),
-    "fed_back_rms": ("RMS of the hidden state", "RMS", [("fed_back_rms", " fed back"), ("prenorm_rms", " pre-norm")]),
-    "acceptance": ("Acceptance (first d drafts all correct)", "fraction of chains", [("acceptance", "")]),
-}
+class Plot(NamedTuple):
+    title: str
+    ylabel: str
+    series: list[tuple[str, str]]  # (DepthProfile field, label suffix): solid line, then dashed
+    fraction: bool  # y in [0, 1]
 
 
-def _draw(ax, profiles: list[DepthProfile], title: str, ylabel: str, series) -> None:
+PLOTS = {  # file name -> plot
+    "sink_mass": Plot("Attention mass on the sink tokens", "mass", [("sink_mass", "")], True),
+    "own_mass": Plot("Attention mass on own drafted tokens", "mass",
+                     [("own_mass", ""), ("own_uniform", " (uniform share)")], True),
+    "fed_back_rms": Plot("RMS of the hidden state", "RMS",
+                         [("fed_back_rms", " fed back"), ("prenorm_rms", " pre-norm")], False),
+    "acceptance": Plot("Acceptance (first d drafts all correct)", "fraction of chains", [("acceptance", "")], True),
+}  # fmt: skip
+
+
+def _draw(ax, profiles: list[DepthProfile], plot: Plot) -> None:
     for i, p in enumerate(profiles):
         depths = range(1, p.depth + 1)
-        for j, (field, suffix) in enumerate(series):
+        for j, (field, suffix) in enumerate(plot.series):
             ax.plot(depths, getattr(p, field), color=f"C{i}", linestyle=["-", "--"][j], marker="o" if j == 0 else None,
                     label=p.label + suffix)  # fmt: skip
-    ax.set_title(title)
+    ax.set_title(plot.title)
     ax.set_xlabel("draft depth")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel(plot.ylabel)
+    if plot.fraction:
+        ax.set_ylim(0, 1.02)
+    else:
+        ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -108,16 +121,16 @@ def write_plots(profiles: list[DepthProfile], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for name, (title, ylabel, series) in PLOTS.items():
+    for name, plot in PLOTS.items():
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        _draw(ax, profiles, title, ylabel, series)
+        _draw(ax, profiles, plot)
         fig.tight_layout()
         paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=80)
+        fig.savefig(paths[-1], dpi=72)
         plt.close(fig)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, ylabel, series) in zip(axes.flat, PLOTS.values()):
-        _draw(ax, profiles, title, ylabel, series)
+    for ax, plot in zip(axes.flat, PLOTS.values()):
+        _draw(ax, profiles, plot)
     fig.tight_layout()
     paths.append(out / "drift.png")
     fig.savefig(paths[-1], dpi=80)
