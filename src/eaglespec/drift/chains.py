@@ -45,6 +45,9 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x.float().pow(2).mean(-1).sqrt()
 
 
+SINK, CONTEXT, OWN = 0, 1, 2  # what a key column is, for splitting the attention mass
+
+
 @torch.inference_mode()
 def draft_chains(drafter: Eagle3Drafter, seq: torch.Tensor, aux: torch.Tensor, roots: list[int], depth: int,
                  sink_tokens: int) -> ChainRecord:  # fmt: skip
@@ -53,38 +56,37 @@ def draft_chains(drafter: Eagle3Drafter, seq: torch.Tensor, aux: torch.Tensor, r
     if not roots or min(roots) < 1 or max(roots) + depth >= seq.numel():
         raise ValueError(f"chain roots must lie in [1, {seq.numel() - depth}) for depth {depth}, got {roots}")
     n_ctx = max(roots)
-    hidden = drafter.project(aux[None, :n_ctx])
     ctx_pos = torch.arange(n_ctx, device=seq.device)
+    hidden = drafter.project(aux[None, :n_ctx])
     ctx_k, ctx_v = context_kv(drafter, seq[None, 1 : n_ctx + 1], hidden, ctx_pos[None])
     root = torch.tensor(roots, device=seq.device)
     chains = root.numel()
     ctx_k, ctx_v = ctx_k.expand(chains, -1, -1, -1), ctx_v.expand(chains, -1, -1, -1)
-    is_sink = ctx_pos < sink_tokens
     own_k, own_v = ctx_k[:, :, :0], ctx_v[:, :, :0]
-    # depth 1: the query is the last context pair r-1, which sees the pairs before it and itself
-    ids, state, pos, ctx_end = seq[root][:, None], hidden[0, root - 1][:, None], (root - 1)[:, None], root - 1
+    ctx_kind = torch.where(ctx_pos < sink_tokens, SINK, CONTEXT).expand(chains, -1)
+    # depth 1: the query is the last context pair r-1 itself; it sees the pairs before it, and its own key
+    ids, state, pos = seq[root][:, None], hidden[0, root - 1][:, None], (root - 1)[:, None]
+    ctx_seen = ctx_pos[None] < pos
+    new_kind = torch.where(pos < sink_tokens, SINK, CONTEXT)
     columns = {name: [] for name in ChainRecord.__dataclass_fields__}
     for d in range(1, depth + 1):
-        visible = torch.cat([ctx_pos[None] < ctx_end[:, None], ctx_pos.new_ones(chains, own_k.shape[2] + 1).bool()], 1)
+        visible = torch.cat([ctx_seen, torch.ones_like(new_kind, dtype=torch.bool)], 1)[:, None, None]
         trace = drafter_step(drafter, ids, state, pos, torch.cat([ctx_k, own_k], 2), torch.cat([ctx_v, own_v], 2),
-                             visible[:, None, None])  # fmt: skip
-        probs = trace.probs[:, :, 0].mean(1)  # [C, n_ctx + new columns], mean over heads
-        on_ctx, on_new = probs[:, :n_ctx], probs[:, n_ctx:].sum(-1)
-        sink, context = (on_ctx * is_sink).sum(-1), (on_ctx * ~is_sink).sum(-1)
-        if d == 1:  # the new column is the context pair r-1 itself
-            first_is_sink = root - 1 < sink_tokens
-            sink, context = sink + on_new * first_is_sink, context + on_new * ~first_is_sink
-            own = torch.zeros_like(on_new)
-        else:
-            own = on_new
-            own_k, own_v = torch.cat([own_k, trace.keys], 2), torch.cat([own_v, trace.values], 2)
+                             visible)  # fmt: skip
+        probs = trace.probs[:, :, 0].mean(1)  # [C, key columns], mean over heads
+        mass = probs.new_zeros(chains, 3).scatter_add_(1, torch.cat([ctx_kind, new_kind], 1), probs)
         token = drafter.draft_to_target[trace.logits[:, 0].argmax(-1)]
         step = {
-            "sink": sink, "context": context, "own": own, "own_uniform": (d - 1) / (root + d - 1.0),
-            "fed_back_rms": rms(trace.state[:, 0]), "prenorm_rms": rms(trace.prenorm[:, 0]),
-            "drafted": token, "expected": seq[root + d],
+            "sink": mass[:, SINK], "context": mass[:, CONTEXT], "own": mass[:, OWN],
+            "own_uniform": (d - 1) / (root + d - 1.0), "fed_back_rms": rms(trace.state[:, 0]),
+            "prenorm_rms": rms(trace.prenorm[:, 0]), "drafted": token, "expected": seq[root + d],
         }  # fmt: skip
         for name, value in step.items():
             columns[name].append(value)
-        ids, state, pos, ctx_end = token[:, None], trace.state, pos + 1, root
+        # next depth: this draft and state one position on, seeing the whole context and the drafts so far
+        if d > 1:
+            own_k, own_v = torch.cat([own_k, trace.keys], 2), torch.cat([own_v, trace.values], 2)
+        ids, state, pos = token[:, None], trace.state, pos + 1
+        ctx_seen = ctx_pos[None] < root[:, None]
+        new_kind = torch.full((chains, own_k.shape[2] + 1), OWN, device=seq.device)
     return ChainRecord(**{name: torch.stack(values, 1) for name, values in columns.items()})

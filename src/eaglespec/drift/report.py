@@ -10,7 +10,7 @@ A drafter meeting neither is "stable".
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +35,9 @@ class Verdict:
         if self.state_growth:
             return "the fed-back state grows but sink attention holds"
         return "stable"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "conclusion": self.conclusion}
 
 
 def judge(p: DepthProfile) -> Verdict:
@@ -146,8 +149,7 @@ def write_report(profiles: list[DepthProfile], out, settings: dict) -> str:
     report = {
         "settings": settings,
         "criteria": {"sink_fall": SINK_FALL, "rms_growth": RMS_GROWTH, "min_sink": MIN_SINK},
-        "drafters": [{**p.to_dict(), "verdict": {**judge(p).__dict__, "conclusion": judge(p).conclusion}}
-                     for p in profiles],  # fmt: skip
+        "drafters": [{**p.to_dict(), "verdict": judge(p).to_dict()} for p in profiles],
     }
     (out / "drift.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "verdict.txt").write_text(text)
