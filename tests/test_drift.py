@@ -203,3 +203,21 @@ def test_cli_without_bundled_drafters_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EAGLESPEC_MODELS", str(tmp_path))
     assert main(["drift", "--out", str(tmp_path / "out")]) == 2
     assert "no bundled drafter" in capsys.readouterr().err
+
+
+def test_cli_default_prompts_with_a_chat_template(tmp_path, capsys):
+    from eaglespec.toy import make_toy_models
+
+    target_dir, draft_dir = make_toy_models(tmp_path / "toy")
+    out = tmp_path / "out"
+    rc = main(["drift", "--target", str(target_dir), "--draft", str(draft_dir), "--depth", "2", "--positions", "2",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / "drift.json").read_text())
+    assert report["settings"]["prompts"] == 7 and report["drafters"][0]["chains"] > 0
+
+
+def test_cli_default_prompts_need_a_tokenizer(pair_on_disk, tmp_path, capsys):
+    root, target_dir, _ = pair_on_disk
+    rc = main(["drift", "--target", target_dir, "--draft", str(root / "drafter-eagle3"), "--out", str(tmp_path)])
+    assert rc == 2 and "no tokenizer" in capsys.readouterr().err
