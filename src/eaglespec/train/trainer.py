@@ -110,13 +110,21 @@ def split_validation(n: int, fraction: float) -> tuple[list[int], list[int]]:
     return [i for i in range(n) if i not in held], val
 
 
-def batch_order(n_train: int, cfg: TrainConfig, step: int) -> list[int]:
-    """Sample indices of optimizer step `step` (each epoch is a fresh seeded permutation)."""
-    per_epoch = n_train // cfg.batch_size
-    epoch, k = divmod(step, per_epoch)
+def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """The optimizer batches of one epoch (indices into the training samples): a seeded permutation,
+    cut into groups of 16 batches whose samples are sorted by length before being split into batches
+    (less padding), then the batches are shuffled. Deterministic in (seed, epoch), so resume replays it."""
     g = torch.Generator().manual_seed(cfg.seed * 1000003 + epoch)
-    perm = torch.randperm(n_train, generator=g)
-    return perm[k * cfg.batch_size : (k + 1) * cfg.batch_size].tolist()
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    per_epoch = len(lengths) // cfg.batch_size
+    perm = perm[: per_epoch * cfg.batch_size]
+    group = 16 * cfg.batch_size
+    batches = []
+    for i in range(0, len(perm), group):
+        chunk = sorted(perm[i : i + group], key=lambda j: lengths[j])
+        batches += [chunk[k : k + cfg.batch_size] for k in range(0, len(chunk), cfg.batch_size)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[o] for o in order]
 
 
 def init_drafter(target, cfg: TrainConfig, used: torch.Tensor) -> Eagle3Drafter:
@@ -195,6 +203,8 @@ class Trainer:
             raise DataError(f"only {len(self.train_idx)} training samples for a batch of {cfg.batch_size}; "
                             "regenerate more data or lower --batch-size")  # fmt: skip
         self.steps_per_epoch = len(self.train_idx) // cfg.batch_size
+        self.train_lengths = [min(len(samples[i].input_ids), cfg.max_len) for i in self.train_idx]
+        self._epoch: tuple[int, list] = (-1, [])
         self.total_steps = cfg.steps or max(1, int(cfg.epochs * self.steps_per_epoch))
         self.drafter = init_drafter(self.target, cfg, used).to(self.device)
         self.target_to_draft = torch.full((vocab_size,), -1, dtype=torch.long, device=self.device)
@@ -308,7 +318,10 @@ class Trainer:
             lr = lr_at(self.step, cfg, self.total_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            order = batch_order(len(self.train_idx), cfg, self.step)
+            epoch, k = divmod(self.step, self.steps_per_epoch)
+            if self._epoch[0] != epoch:
+                self._epoch = (epoch, epoch_batches(self.train_lengths, cfg, epoch))
+            order = self._epoch[1][k]
             mine = [self.train_idx[i] for i in order[self.rank * local : (self.rank + 1) * local]]
             micro = [mine[i : i + cfg.micro_batch] for i in range(0, len(mine), cfg.micro_batch)]
             self.optimizer.zero_grad(set_to_none=True)
