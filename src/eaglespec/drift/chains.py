@@ -89,4 +89,4 @@ def draft_chains(drafter: Eagle3Drafter, seq: torch.Tensor, aux: torch.Tensor, r
         ids, state, pos = token[:, None], trace.state, pos + 1
         ctx_seen = ctx_pos[None] < root[:, None]
         new_kind = torch.full((chains, own_k.shape[2] + 1), OWN, device=seq.device)
-    return ChainRecord(**{name: torch.stack(values, 1) for name, values in columns.items()})
+    return ChainRecord(**{name: torch.stack(values, 1).cpu() for name, values in columns.items()})
