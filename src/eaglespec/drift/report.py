@@ -62,6 +62,9 @@ def verdict_line(p: DepthProfile) -> str:
 
 def summary_text(profiles: list[DepthProfile]) -> str:
     lines = [verdict_line(p) for p in profiles]
+    if len(profiles) > 1:
+        taus = ", ".join(f"{p.label} {p.tau:.2f}" for p in profiles)
+        lines.append(f"tau (1 + mean accepted length): {taus}; first / second {profiles[0].tau / profiles[1].tau:.2f}x")
     lines.append(
         f"criteria: attention drift = sink mass falls >= {SINK_FALL:.0%} from depth 1 to the deepest; "
         f"state growth = fed-back RMS grows >= {RMS_GROWTH}x"
