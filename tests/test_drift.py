@@ -221,3 +221,11 @@ def test_cli_default_prompts_need_a_tokenizer(pair_on_disk, tmp_path, capsys):
     root, target_dir, _ = pair_on_disk
     rc = main(["drift", "--target", target_dir, "--draft", str(root / "drafter-eagle3"), "--out", str(tmp_path)])
     assert rc == 2 and "no tokenizer" in capsys.readouterr().err
+
+
+def test_drafter_labels_name_the_training_run(tmp_path):
+    from eaglespec.drift.command import drafter_name
+
+    assert drafter_name(tmp_path / "models" / "drafter-eagle3") == "drafter-eagle3"
+    assert drafter_name(tmp_path / "run-a" / "final") == "run-a/final"
+    assert drafter_name(tmp_path / "run-b" / "checkpoints" / "step-000200") == "run-b/step-000200"

@@ -41,6 +41,15 @@ def resolve_paths(target: str | None, drafts: list[str]) -> tuple[Path, list[Pat
     return root / "target", found
 
 
+def drafter_name(path: Path) -> str:
+    """The folder name, with its run folder for a training run's `final/` or `checkpoints/step-N/`."""
+    if path.name == "final":
+        return f"{path.resolve().parent.name}/final"
+    if path.name.startswith("step-"):
+        return f"{path.resolve().parent.parent.name}/{path.name}"
+    return path.name
+
+
 def prompt_items(args, tokenizer) -> tuple[list[dict], str]:
     """The prompts as `generate` input items, and where they come from (for error messages)."""
     from ..api import read_jsonl
@@ -77,8 +86,8 @@ def cmd_drift(args) -> int:
     for path, drafter in zip(draft_dirs, drafters):
         record = measure_drafter(engine.target, drafter, sequences, prompt_lens, depth=args.depth,
                                  sink_tokens=args.sink_tokens, positions=args.positions)  # fmt: skip
-        profiles.append(DepthProfile.from_record(f"{drafter.cfg.eagle_version} ({path.name})", str(path), drafter,
-                                                 record))  # fmt: skip
+        label = f"{drafter.cfg.eagle_version} ({drafter_name(path)})"
+        profiles.append(DepthProfile.from_record(label, str(path), drafter, record))
     settings = {
         "target": str(target_dir), "drafters": [str(d) for d in draft_dirs], "prompts": len(prompts),
         "prompt_source": where, "depth": args.depth, "sink_tokens": args.sink_tokens, "positions": args.positions,
