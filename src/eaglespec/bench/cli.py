@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--chain-k", type=int, default=4)
     p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
     p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
@@ -80,6 +81,12 @@ def cmd_bench(args) -> int:
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--batch-size and --max-new-tokens must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.auto and args.sweep not in (None, "tree"):
         raise ValueError("--auto runs a shape sweep; it cannot be combined with --sweep batch/context")
     sweep = "tree" if args.auto else args.sweep

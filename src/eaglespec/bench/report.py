@@ -46,7 +46,7 @@ def summary_table(rows: list[dict]) -> str:
     body = []
     for r in total:
         pos = r["per_position_acceptance"]
-        acc = "-" if pos is None else (" ".join(f"{x:.2f}" for x in pos[:4]) or "0")
+        acc = " ".join(f"{x:.2f}" for x in pos[:4]) if pos else "-"
         lat = r["latency_s"]
         split = r["time_split_s"]
         body.append([
@@ -74,7 +74,7 @@ def bench_markdown(report: dict) -> str:
         f"target `{report.get('target', '?')}`; {cfg['max_new_tokens']} new tokens per prompt, batch "
         f"{cfg['batch_size']} (peers: 1), temperature {cfg['temperature']}; prompts per category: "
         + ", ".join(f"{k} {v}" for k, v in cfg["prompts_per_category"].items()) + ".",
-        f"torch {env['torch']}, transformers {env['transformers']}, {env['threads']} threads, {env['cpu']}.",
+        f"torch {env['torch']}, transformers {env['transformers']}, torch threads: {env['threads']}, {env['cpu']}.",
         "",
         *lossless_lines(report["lossless_check"]),
         "",

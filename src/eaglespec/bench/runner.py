@@ -10,6 +10,7 @@ token inside the common length is. With temperature > 0 outputs are random, so t
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -121,8 +122,18 @@ def describe_mismatches(check: dict, limit: int = 20) -> list[str]:
     ]
 
 
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}  # fmt: skip
+            "cpu": cpu_name(), "python": platform.python_version()}  # fmt: skip
