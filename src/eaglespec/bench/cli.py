@@ -160,7 +160,8 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
     if args.auto:
         for label, best in result["best"].items():
             path = save_tuned(models.target_dir, best["drafter_path"], best["settings"],
-                              {k: best[k] for k in ("tokens_per_s", "tau", "speedup")})  # fmt: skip
+                              {**{k: best[k] for k in ("tokens_per_s", "tau", "speedup")},
+                               "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens})  # fmt: skip
             note = "" if (best["speedup"] or 0) >= 1 else " (slower than plain here: generate's governor falls back)"
             print(f"[bench] --auto: {label}: saved {describe(best['settings'])} to {path}{note}")
     return 0

@@ -78,6 +78,10 @@ def bench_markdown(report: dict) -> str:
         "",
         *lossless_lines(report["lossless_check"]),
         "",
+        "Methods:",
+        *(f"- `{m['name']}`: " + (", ".join(f"{k}={v}" for k, v in m["settings"].items()) or "no settings")
+          for m in report["methods"]),
+        "",
         "## All categories",
         "",
         summary_table(report["results"]),
