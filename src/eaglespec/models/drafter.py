@@ -247,13 +247,15 @@ class Eagle3Drafter(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
-    def forward(self, ids, hidden, positions, cache: KVCache, meta: StepMeta):
+    def forward(self, ids, hidden, positions, cache: KVCache, meta: StepMeta, *, with_logits: bool = True):
         attend = lambda u, cos, sin: self.midlayer.self_attn(u, cos, sin, cache, 0, meta)
-        return self.step(ids, hidden, positions, attend)
+        return self.step(ids, hidden, positions, attend, with_logits=with_logits)
 
-    def step(self, ids, hidden, positions, attend):
+    def step(self, ids, hidden, positions, attend, *, with_logits: bool = True):
         """The layer math with attention supplied by the caller: attend(u, cos, sin) -> [B, T, H].
-        Inference attends through the KV cache; training-time test through its own TTT mask."""
+        Inference attends through the KV cache; training-time test through its own TTT mask.
+        Returns (draft logits, or the final-normed hidden when with_logits=False, and the next state):
+        a prompt's extend only needs logits at one position per row, so it applies lm_head itself."""
         layer = self.midlayer
         e = self.embed(ids).to(hidden.dtype)
         hn = layer.hidden_norm(hidden)
@@ -264,7 +266,7 @@ class Eagle3Drafter(nn.Module):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         n = self.norm(x)
         state = n if self.cfg.norm_output else x  # EAGLE-3.1 feeds the post-norm state back
-        return self.lm_head(n), state
+        return (self.lm_head(n) if with_logits else n), state
 
 
 # -- portable checkpoints ------------------------------------------------------------------------
