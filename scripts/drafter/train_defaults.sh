@@ -4,7 +4,7 @@
 # one thread each), and copy them into models/. Run from the repository root with the venv active.
 # Needs data/corpus (scripts/corpus/build_corpus.py). STEPS sets the budget (optimizer steps of 8 samples).
 set -euo pipefail
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-450}
 DEPTH=${DEPTH:-5}
 python scripts/drafter/build_regen_input.py --out data/drafter/prompts.jsonl
 OMP_NUM_THREADS=2 eaglespec data regen --target models/target --input data/drafter/prompts.jsonl \
@@ -12,7 +12,7 @@ OMP_NUM_THREADS=2 eaglespec data regen --target models/target --input data/draft
 eaglespec data vocab --target models/target --data data/drafter/regen --size 2048 --out data/drafter/vocab
 common=(--target models/target --data data/drafter/regen --vocab data/drafter/vocab --steps "$STEPS"
         --depth "$DEPTH" --lr 1e-3 --warmup-steps 10 --batch-size 8 --micro-batch 4 --max-len 1024
-        --eval-every 50 --eval-prompts 16 --eval-max-new-tokens 48 --save-every 25 --seed 0 --no-progress)
+        --eval-every 150 --eval-samples 32 --eval-prompts 16 --eval-max-new-tokens 48 --save-every 50 --seed 0 --no-progress)
 OMP_NUM_THREADS=1 eaglespec train "${common[@]}" --out runs/drafter-eagle3.1 > runs/drafter-eagle3.1.log 2>&1 &
 OMP_NUM_THREADS=1 eaglespec train "${common[@]}" --no-fc-norm --no-norm-output --out runs/drafter-eagle3 \
     > runs/drafter-eagle3.log 2>&1 &
