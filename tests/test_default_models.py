@@ -1,0 +1,50 @@
+"""The bundled default models (models/): they load, generate losslessly, and the drafters really accept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eaglespec.api import default_models_dir, generate, load_engine
+from eaglespec.cli import main
+from eaglespec.spec.proposer import TreeShape
+
+MODELS = default_models_dir()
+PROMPTS = [[{"role": "user", "content": "hi, how are you doing today?"}], "def read_config(path):\n"]
+
+
+def _prompts(tok):
+    out = []
+    for p in PROMPTS:
+        if isinstance(p, str):
+            out.append(tok.encode(p, add_special_tokens=False))
+        else:
+            out.append(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in out]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    engine = load_engine(MODELS / "target", None, mode="off")
+    prompts = _prompts(engine.tokenizer)
+    return prompts, [r.output_ids for r in generate(engine, prompts, max_new_tokens=40).results]
+
+
+@pytest.mark.parametrize("name", ["drafter-eagle3.1", "drafter-eagle3"])
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_default_drafters_are_lossless_and_accept(plain, name, mode):
+    prompts, expected = plain
+    engine = load_engine(MODELS / "target", MODELS / name, mode=mode, tree=TreeShape(4, 4, 16), chain_k=4)
+    engine.adaptive = False  # always speculate, so acceptance is measured on every step
+    out = generate(engine, prompts, max_new_tokens=40)
+    assert [r.output_ids for r in out.results] == expected
+    assert out.stats.tau > 1.5, out.stats.tau  # trained drafters, not random ones (tau ~1.0)
+    cfg = json.loads((MODELS / name / "config.json").read_text())
+    assert bool(cfg.get("fc_norm")) == bool(cfg.get("norm_output")) == (name == "drafter-eagle3.1")
+
+
+def test_main_job_uses_the_bundled_models(capsys):
+    assert main(["generate", "--chat", "--prompt", "How are you today?", "--max-new-tokens", "20"]) == 0
+    out = capsys.readouterr().out
+    assert ("mode=tree" in out or "mode=chain" in out) and "tau=" in out and "tokens/s=" in out
