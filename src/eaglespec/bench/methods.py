@@ -57,13 +57,9 @@ class Method:
 
 
 def parse_kinds(text: str | None) -> list[str]:
-    if text is None or text == "all":
-        return list(ALL_KINDS)
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ALL_KINDS]
-    if bad or not kinds:
-        raise ValueError(f"unknown methods {bad or text!r}; choose from {', '.join(ALL_KINDS)} (or 'all')")
-    return kinds
+    from .suites import parse_choices
+
+    return parse_choices(text, ALL_KINDS, "methods")
 
 
 def tensor_bytes(params) -> int:

@@ -19,15 +19,19 @@ class Prompt:
     ids: list[int]
 
 
-def parse_categories(text: str | None) -> list[str]:
-    """'chat,code' -> ['chat', 'code']; None or 'all' -> every category."""
+def parse_choices(text: str | None, choices, what: str) -> list[str]:
+    """'a,b' -> ['a', 'b'] checked against `choices`; None or 'all' -> every choice."""
     if text is None or text == "all":
-        return list(CATEGORIES)
+        return list(choices)
     names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in CATEGORIES]
+    bad = [c for c in names if c not in choices]
     if bad or not names:
-        raise ValueError(f"unknown categories {bad or text!r}; choose from {', '.join(CATEGORIES)} (or 'all')")
+        raise ValueError(f"unknown {what} {bad or text!r}; choose from {', '.join(choices)} (or 'all')")
     return names
+
+
+def parse_categories(text: str | None) -> list[str]:
+    return parse_choices(text, CATEGORIES, "categories")
 
 
 def load_suite(category: str, limit: int | None = None, suites_dir: Path = SUITES_DIR) -> list[dict]:
