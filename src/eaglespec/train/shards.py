@@ -96,10 +96,11 @@ def load_samples(root, *, target_fingerprint: str | None = None) -> list[Sample]
             f"{root} was generated for another target (vocab/tokenizer fingerprint {man.get('target_fingerprint')}, "
             f"this target has {target_fingerprint}); regenerate the data with this target"
         )
-    samples = []
-    for i in range(man["num_shards"]):
-        path = shard_path(root, i)
-        if not path.is_file():
-            raise DataError(f"{root} is incomplete: {path.name} is missing; rerun `eaglespec data regen` to resume")
-        samples += read_shard(path)
-    return samples
+    return [s for i in range(man["num_shards"]) for s in load_shard(root, i)]
+
+
+def load_shard(root, index: int) -> list[Sample]:
+    path = shard_path(Path(root), index)
+    if not path.is_file():
+        raise DataError(f"{root} is incomplete: {path.name} is missing; rerun `eaglespec data regen` to resume")
+    return read_shard(path)

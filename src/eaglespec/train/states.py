@@ -12,13 +12,14 @@ skipped on a rerun (resume).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from .shards import DataError, read_manifest, shard_path, write_json_atomic
+from .shards import DataError, load_shard, read_manifest, write_json_atomic
 from .ttt import collate, target_features
 
 
@@ -38,18 +39,16 @@ def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=T
 
     data_dir, out = Path(data_dir), Path(out_dir)
     man = read_manifest(data_dir)
-    tgt = target if not isinstance(target, (str, os.PathLike)) else None
-    if tgt is None:
-        from ..models.checkpoint import load_target
+    from ..models.checkpoint import load_target
 
-        if man.get("target_fingerprint") not in (None, target_fingerprint(target)):
-            raise DataError(f"{data_dir} was generated for another target; regenerate it with {target}")
-        tgt = load_target(target)
+    if man.get("target_fingerprint") not in (None, target_fingerprint(target)):
+        raise DataError(f"{data_dir} was generated for another target; regenerate it with {target}")
+    tgt = load_target(target)
     aux_width = tgt.cfg.hidden_size * len(tgt.aux_layers)
     if not 1 <= topk <= tgt.cfg.vocab_size:
         raise ValueError(f"topk must be in [1, {tgt.cfg.vocab_size}], got {topk}")
     todo = [i for i in range(man["num_shards"]) if not states_path(out, i).is_file()]
-    shards = {i: load_samples_shard(data_dir, i) for i in todo}
+    shards = {i: load_shard(data_dir, i) for i in todo}
     need = estimate_bytes(sum(len(s.input_ids) for ss in shards.values() for s in ss), aux_width, topk)
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
@@ -82,24 +81,18 @@ def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=T
     return {"bytes": need, "shards_written": len(todo)}
 
 
-def load_samples_shard(data_dir: Path, index: int):
-    from .shards import read_shard
-
-    path = shard_path(data_dir, index)
-    if not path.is_file():
-        raise DataError(f"{data_dir} is incomplete: {path.name} is missing; rerun `eaglespec data regen`")
-    return read_shard(path)
-
-
-def load_states(states_dir, data_dir, aux_width: int) -> list[dict]:
-    """Per sample {aux, top_p, top_i}, aligned with load_samples(data_dir)."""
+def load_states(states_dir, samples, aux_width: int) -> list[dict]:
+    """Per sample {aux, top_p, top_i}, aligned with `samples` (load_samples of the same data directory):
+    each states file holds the tokens of consecutive samples, so files are matched by token counts."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     states_dir = Path(states_dir)
-    man = read_manifest(data_dir)
-    out = []
-    for i in range(man["num_shards"]):
+    meta = states_dir / "states.json"
+    if not meta.is_file():
+        raise DataError(f"{states_dir} has no states.json; create it with `eaglespec data states`")
+    out: list[dict] = []
+    for i in range(json.loads(meta.read_text())["num_shards"]):
         path = states_path(states_dir, i)
         if not path.is_file():
             raise DataError(f"{states_dir} lacks {path.name}; rerun `eaglespec data states` to finish it")
@@ -107,14 +100,14 @@ def load_states(states_dir, data_dir, aux_width: int) -> list[dict]:
             t = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as e:
             raise DataError(f"{path} is not readable ({e}); delete it and rerun `eaglespec data states`") from None
-        samples = load_samples_shard(Path(data_dir), i)
-        n = sum(len(s.input_ids) for s in samples)
-        if t["aux"].shape != (n, aux_width) or t["top_p"].shape[0] != n:
-            raise DataError(f"{path} does not match {data_dir} (token count or aux width differ: was it made "
-                            "for this data and target?); delete it and rerun `eaglespec data states`")  # fmt: skip
-        a = 0
-        for s in samples:
-            b = a + len(s.input_ids)
+        n, a = t["aux"].shape[0], 0
+        while a < n and len(out) < len(samples):
+            b = a + len(samples[len(out)].input_ids)
             out.append({"aux": t["aux"][a:b], "top_p": t["top_p"][a:b], "top_i": t["top_i"][a:b]})
             a = b
+        if a != n or t["aux"].shape[1] != aux_width:
+            raise DataError(f"{path} does not match the data (token count or aux width differ: was it made for "
+                            "this data and target?); delete it and rerun `eaglespec data states`")  # fmt: skip
+    if len(out) != len(samples):
+        raise DataError(f"{states_dir} covers {len(out)} of {len(samples)} samples; rerun `eaglespec data states`")
     return out

@@ -184,19 +184,18 @@ class Trainer:
         if not samples:
             raise DataError(f"{cfg.data} holds no samples")
         vocab_size = self.target.cfg.vocab_size
+        counts = token_counts(samples, vocab_size)
         if cfg.vocab:
             used = load_vocab(cfg.vocab, vocab_size)
         else:
-            size = cfg.draft_vocab_size or min(vocab_size, 32000)
-            used = choose_draft_vocab(token_counts(samples, vocab_size), size)
-        counts = token_counts(samples, vocab_size)
+            used = choose_draft_vocab(counts, cfg.draft_vocab_size or min(vocab_size, 32000))
         self.vocab_report = coverage_report(counts, used)
         self.states = None
         if cfg.states:
             from .states import load_states
 
             width = self.target.cfg.hidden_size * len(self.target.aux_layers)
-            self.states = load_states(cfg.states, cfg.data, width)
+            self.states = load_states(cfg.states, samples, width)
         self.samples = samples
         self.train_idx, self.val_idx = split_validation(len(samples), cfg.val_fraction)
         if len(self.train_idx) < cfg.batch_size:
