@@ -14,7 +14,7 @@ class RiggedProposer(EagleProposer):
         super().__init__(engine.drafter, engine.shape)
         self.engine, self.truth, self.vocab, self.break_every = engine, truth, vocab, break_every
 
-    def propose(self, cache, rows, root, logits, state):
+    def propose(self, cache, rows, root, logits, state, **_):
         depth = self.shape.depth
         toks, scores, parents, depths = [], [], [], []
         for r in self.engine.active_rows:

@@ -32,7 +32,7 @@ def plain():
 
 
 @pytest.mark.parametrize("name", ["drafter-eagle3.1", "drafter-eagle3"])
-@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "auto"])
 def test_default_drafters_are_lossless_and_accept(plain, name, mode):
     prompts, expected = plain
     engine = load_engine(MODELS / "target", MODELS / name, mode=mode, tree=TreeShape(4, 4, 16), chain_k=4)
@@ -46,5 +46,7 @@ def test_default_drafters_are_lossless_and_accept(plain, name, mode):
 
 def test_main_job_uses_the_bundled_models(capsys):
     assert main(["generate", "--chat", "--prompt", "How are you today?", "--max-new-tokens", "20"]) == 0
-    out = capsys.readouterr().out
-    assert ("mode=tree" in out or "mode=chain" in out) and "tau=" in out and "tokens/s=" in out
+    cap = capsys.readouterr()
+    out = cap.out
+    assert "mode=auto" in out and "tau=" in out and "tokens/s=" in out and "policy:" in out
+    assert "precision:" in cap.err  # says what --dtype auto chose and why

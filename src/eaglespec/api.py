@@ -33,22 +33,37 @@ def load_engine(
     target: str | os.PathLike,
     draft: str | os.PathLike | None = None,
     *,
-    mode: str = "tree",
+    mode: str = "auto",
     tree: TreeShape | None = None,
     chain_k: int = 4,
     device: str = "cpu",
-    dtype: str = "fp32",
+    dtype: str = "auto",
+    adaptive: bool = True,
+    confidence: float = 0.0,
 ) -> Engine:
-    """Load a target (and drafter) directory into an Engine, validating that they fit."""
+    """Load a target (and drafter) directory into an Engine, validating that they fit.
+
+    dtype "auto" picks the fastest lossless precision for the device (models/precision.py); the
+    choice and its reason are in `engine.precision`."""
     import torch
+
+    from .models.checkpoint import read_config
+    from .models.precision import choose_dtype
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    raw = read_config(target)
+    dims = {"hidden": raw.get("hidden_size", 1024), "intermediate": raw.get("intermediate_size", 4096),
+            "vocab": raw.get("vocab_size", 32000)}  # fmt: skip
+    dtype, why = choose_dtype(device, dtype, **dims)
     tgt = load_target(target, device=device, dtype=dtype)
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
-    return Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target))
+    engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
+                    adaptive=adaptive, confidence=confidence)  # fmt: skip
+    engine.precision = (dtype, why)
+    return engine
 
 
 def stop_ids_for(engine: Engine) -> tuple[int, ...]:

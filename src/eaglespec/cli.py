@@ -16,9 +16,12 @@ def _add_generate(sub):
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input", help='JSONL file: {"prompt": str} | {"prompt_ids": [int]} | {"messages": [...]}')
     p.add_argument("--chat", action="store_true", help="render --prompt as a user message with the chat template")
-    # None = not given: use the settings saved by `eaglespec bench --auto`, else tree 4/4/16, chain 4
-    p.add_argument("--mode", choices=["tree", "chain", "off"], default=None, help="default: tuned, else tree")
-    p.add_argument("--tree-depth", type=int, default=None, help="max draft tokens on a tree path (default 4)")
+    # None = not given: use the settings saved by `eaglespec bench --auto`, else the cost-aware policy
+    p.add_argument("--mode", "--speculation", dest="mode", choices=["auto", "tree", "chain", "off"], default=None,
+                   help="auto (default): the policy picks chain/tree, depth and nodes per step from measured costs "
+                   "and acceptance; tree/chain: a fixed shape; off: plain decoding")
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help="max draft tokens on a tree path (default 4; auto: maximum depth, default 8)")
     p.add_argument("--tree-topk", type=int, default=None, help="children per expanded tree node (default 4)")
     p.add_argument("--tree-tokens", type=int, default=None, help="draft tokens verified per step (tree, default 16)")
     p.add_argument("--chain-k", type=int, default=None, help="draft tokens per step (chain, default 4)")
@@ -30,7 +33,12 @@ def _add_generate(sub):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default): the fastest precision on this device, measured (models/precision.py)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="always speculate (for measurements); default: plain steps where speculation does not pay")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="fixed shapes: stop drafting below this cumulative draft probability (auto sets its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--no-stream", action="store_true", help="do not stream a single prompt's text")
     p.set_defaults(func=cmd_generate)
@@ -55,6 +63,7 @@ def _resolve_models(args):
 
 def cmd_generate(args) -> int:
     from .api import generate, load_engine, parse_inputs, read_jsonl
+    from .engine import AUTO_MAX_DEPTH
     from .sampling import SamplingParams
     from .spec.proposer import TreeShape
 
@@ -65,11 +74,14 @@ def cmd_generate(args) -> int:
     from .bench.tuned import describe, generate_settings
 
     spec, source = generate_settings(args, target, draft)
-    tree = TreeShape(spec["tree_depth"], spec["tree_topk"], spec["tree_tokens"])
+    depth = spec["tree_depth"] or (AUTO_MAX_DEPTH if spec["mode"] == "auto" else 4)
+    tree = TreeShape(depth, spec["tree_topk"], spec["tree_tokens"])
     engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
-                         dtype=args.dtype)  # fmt: skip
+                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence)  # fmt: skip
+    dtype, why = engine.precision
+    print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
     if engine.drafter is not None:
-        print(f"[eaglespec] settings: {describe(spec)} ({source})", file=sys.stderr)
+        print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)
     if args.prompt is not None:
         item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
         items = [item]
@@ -111,7 +123,19 @@ def cmd_generate(args) -> int:
     if stream:
         print()
     print(summary, file=sys.stderr if args.json else sys.stdout)
+    if engine.policy is not None:
+        print(f"[eaglespec] policy: {_policy_line(engine.policy.summary())}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _policy_line(summary: dict) -> str:
+    parts = [f"speculative steps {summary['speculative_steps']}, plain steps {summary['plain_steps']}"]
+    if summary.get("mean_nodes") is not None:
+        parts.append(f"mean depth {summary['mean_depth']}, mean nodes {summary['mean_nodes']}")
+    if summary.get("width_share"):
+        share = ", ".join(f"{'chain' if w == 1 else f'top-{w}'} {v:.0%}" for w, v in summary["width_share"].items())
+        parts.append(f"width {share}")
+    return "; ".join(parts)
 
 
 def cmd_toy_models(args) -> int:

@@ -14,15 +14,22 @@ import torch
 
 from .kv_cache import ContextLengthError
 from .models.drafter import Eagle3Drafter, check_pair
+from .models.layers import fuse_projections
 from .models.llama import LlamaTarget
 from .sampling import SamplingParams, make_generator, target_probs
-from .spec.governor import Governor
+from .spec.costs import load_or_calibrate
+from .spec.policy import Policy, observe_acceptance
 from .spec.proposer import EagleProposer, TreeShape, causal_mask
-from .spec.tree import root_only
+from .spec.synthetic import accept_synthetic
+from .spec.tree import max_children, root_only
 from .spec.verify import accept_greedy, accept_sampling
 from .stats import SpecStats
 
 StreamCallback = Callable[[int, list[int]], None]
+MODES = ("auto", "tree", "chain", "off")
+AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
+AUTO_MAX_DEPTH = 8
+AUTO_MAX_NODES = 48
 
 
 @dataclass
@@ -63,8 +70,11 @@ class _Row:
 class Engine:
     """Lossless speculative generation with an EAGLE-3/3.1 drafter (or plain decoding without one).
 
-    mode: "tree" (EAGLE-2 dynamic tree of `tree` shape), "chain" (`chain_k` tokens), "off".
-    adaptive: fall back to plain steps while speculation measures slower (never changes output).
+    mode: "auto" (the cost-aware policy, spec/policy.py, picks width, depth and nodes per step from
+    calibrated costs; `tree` gives the maximum depth), "tree" (EAGLE-2 dynamic tree of `tree` shape),
+    "chain" (`chain_k` tokens), "off".
+    adaptive: plain steps while speculation measures slower (never changes output); False forces it.
+    confidence: fixed shapes only: stop drafting below this cumulative draft probability.
     """
 
     def __init__(
@@ -79,12 +89,17 @@ class Engine:
         prefill_chunk: int = 512,
         max_length: int | None = None,
         adaptive: bool = True,
+        confidence: float = 0.0,
+        synthetic_acceptance: list[float] | None = None,
     ):
-        if mode not in ("tree", "chain", "off"):
-            raise ValueError(f"mode must be 'tree', 'chain' or 'off', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not 0.0 <= confidence < 1.0:
+            raise ValueError(f"confidence must be in [0, 1), got {confidence!r}")
         if mode != "off" and drafter is None:
             mode = "off"
         self.target, self.tokenizer = target, tokenizer
+        fuse_projections(target)
         self.mode = mode
         self.drafter = drafter if mode != "off" else None
         self.max_length = max_length or target.cfg.max_position_embeddings
@@ -92,15 +107,22 @@ class Engine:
         self.shape = None
         if self.drafter is not None:
             check_pair(self.drafter, target)
+            fuse_projections(self.drafter)
             if self.drafter.embed_tokens is None:
                 self.drafter.attach_target_embedding(target.model.embed_tokens)
             target.set_aux_layers(tuple(self.drafter.cfg.aux_layer_ids or ()) or None)
-            self.shape = TreeShape.chain(chain_k) if mode == "chain" else (tree or TreeShape())
+            if mode == "auto":
+                self.shape = TreeShape(tree.depth if tree else AUTO_MAX_DEPTH, max(AUTO_WIDTHS), AUTO_MAX_NODES)
+            else:
+                self.shape = TreeShape.chain(chain_k) if mode == "chain" else (tree or TreeShape())
             self.proposer = EagleProposer(self.drafter, self.shape)
         self.device = next(target.parameters()).device
         self.adaptive = adaptive
-        self.governor = Governor(False)
-        self._governors: dict[int, Governor] = {}
+        # benchmarks only: accept by a given per-position profile instead of the target (not lossless)
+        self.synthetic_acceptance = list(synthetic_acceptance) if synthetic_acceptance else None
+        self.confidence = confidence
+        self.policy: Policy | None = None  # of the last generate call
+        self._policies: dict[int, Policy] = {}  # per batch size: measurements persist across calls
 
     # -- public API ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -114,6 +136,7 @@ class Engine:
     ) -> BatchOutput:
         """Generate for every request; at most `batch_size` run at once. on_tokens(i, ids) streams."""
         self._validate(requests, batch_size)
+        self.policy = self._policy_for(min(batch_size, len(requests)))  # may calibrate: not timed
         t_start = time.perf_counter()
         gen = make_generator(params.seed, self.device)
         if params.seed is not None and self.device.type == "cpu":
@@ -124,9 +147,6 @@ class Engine:
             extra = self.shape.top_k * self.shape.depth + 1
             dcache = self.drafter.new_cache(batch_size, max_length=self.max_length + extra)
         batch_stats = SpecStats()
-        # measurements persist across calls: the machine's speed does not change between requests
-        self.governor = self._governors.setdefault(batch_size, Governor(self.adaptive and self.drafter is not None))
-        self.governor.enabled = self.adaptive and self.drafter is not None
         waiting = list(range(len(requests)))
         rows: list[_Row] = []
         state = None  # batch tensors: root [B], pend_ids [B, E], pend_aux [B, E, A*H], pend_cnt [B]
@@ -167,6 +187,21 @@ class Engine:
                 if r.text is None:
                     r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return BatchOutput(results, total)
+
+    def _policy_for(self, batch: int) -> Policy | None:
+        if self.drafter is None:
+            return None
+        if batch not in self._policies:
+            if self.mode == "auto":
+                costs = load_or_calibrate(self.target, self.drafter, batch)
+                policy = Policy(costs, widths=AUTO_WIDTHS, max_depth=self.shape.depth, max_nodes=AUTO_MAX_NODES,
+                                adaptive=self.adaptive)  # fmt: skip
+            else:
+                policy = Policy(None, widths=(self.shape.top_k,), max_depth=self.shape.depth, adaptive=self.adaptive)
+            self._policies[batch] = policy
+        policy = self._policies[batch]
+        policy.adaptive = self.adaptive
+        return policy
 
     # -- internals -------------------------------------------------------------------------------
     def _validate(self, requests, batch_size):
@@ -261,26 +296,31 @@ class Engine:
         self.active_rows = rows  # read-only view for instrumentation (drift tools, rigged test proposers)
         root = state["root"]
         lengths = tcache.lengths[[r.slot for r in rows]]
-        speculate = self.drafter is not None and self.governor.should_speculate()
+        policy = self.policy
+        plan = policy.plan() if policy is not None else None
+        speculate = plan is not None
         if speculate and int(lengths.max()) + self.shape.kept_nodes + 1 > self.max_length:
             speculate = False  # too close to the context end for a tree: finish with plain steps
-        depth = self.shape.depth if speculate else 0
         if speculate:
             logits_d, state_d = self.proposer.extend(dcache, rows_arg, state["ids"], state["aux"], state["cnt"])
-            tree = self.proposer.propose(dcache, rows_arg, root, logits_d, state_d)
+            auto = policy if self.mode == "auto" else None
+            tree = self.proposer.propose(dcache, rows_arg, root, logits_d, state_d, width=plan.top_k, policy=auto,
+                                         confidence=self.confidence)  # fmt: skip
         else:
             tree = root_only(root)
+        depth = int(tree.depth.max())
         t1 = time.perf_counter()
         base = lengths.to(self.device)[:, None]
         positions = base + tree.depth
         meta = tcache.prepare(rows_arg, tree.mask, positions)
         h, aux = self.target(tree.tokens, positions, tcache, meta, capture_aux=self.drafter is not None)
         logits = self.target.logits(h)
-        if params.greedy:
+        if self.synthetic_acceptance is not None and speculate:
+            acc = accept_synthetic(tree, logits, depth, self.synthetic_acceptance, gen)
+        elif params.greedy:
             acc = accept_greedy(tree, logits, depth)
         else:
-            k = self.shape.top_k if speculate else 1
-            acc = accept_sampling(tree, target_probs(logits, params), depth, k, gen)
+            acc = accept_sampling(tree, target_probs(logits, params), depth, max_children(tree), gen)
         tcache.compact(rows_arg, acc.path, (acc.accepted + 1).cpu())
         t2 = time.perf_counter()
         path_tokens = tree.tokens.gather(1, acc.path)
@@ -300,11 +340,15 @@ class Engine:
             a = row[-2]
             out.append(row[1 : a + 1] + [row[-1]])
             r.stats.target_forwards += 1
-            if speculate:
+            if speculate and n_draft > 0:
                 r.stats.observe_draft(n_draft, a)
-                r.stats.drafter_forwards += self.shape.depth
+                r.stats.drafter_forwards += max(depth, 1)
         t3 = time.perf_counter()
-        self.governor.observe(speculate, sum(len(o) for o in out), t3 - t0)
+        if policy is not None:
+            if speculate and tree.score is not None:
+                observe_acceptance(policy.acceptance, tree, acc)
+            shape = (plan.top_k, depth, n_draft) if speculate else None
+            policy.observe(speculate, sum(len(o) for o in out), t3 - t0, shape)
         batch_stats.time_draft += t1 - t0
         batch_stats.time_verify += t2 - t1
         batch_stats.time_other += t3 - t2

@@ -25,14 +25,18 @@ class StepMeta:
 
     rows:       [B] slot indices (or None for slots 0..B-1, which lets reads be views).
     write_pos:  [B, T] cache positions the T new tokens are written to.
-    mask:       [B, 1, T, S] bool, True where query t may attend to cache column s (S = span).
+    mask:       [B, 1, T, S] bool, True where query t may attend to cache column s (S = span);
+                None when every query sees every column (a plain decoding step).
     span:       number of cache columns read this step.
+    write_start: the common first write position when rows is None and every row starts there
+                (the writes are then one slice copy instead of a scatter); else None.
     """
 
     rows: torch.Tensor | None
     write_pos: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     span: int
+    write_start: int | None = None
 
 
 class KVCache:
@@ -134,10 +138,14 @@ class KVCache:
         batch, t, width = new_mask.shape
         recent = width - t
         base_host = self.lengths[:batch] if rows is None else self.lengths[rows.cpu()]
-        span = int(base_host.max()) + t
+        lo, hi = int(base_host.min()), int(base_host.max())
+        span = hi + t
         self.reserve(span)
+        write_start = lo if rows is None and lo == hi else None
         base = base_host.to(self.device, non_blocking=True)
         write_pos = base[:, None] + torch.arange(t, device=self.device)
+        if t == 1 and recent == 0 and lo == hi and self.sliding_window is None:
+            return StepMeta(rows, write_pos, None, span, write_start)  # one new token sees everything
         cols = torch.arange(span, device=self.device)
         rel = cols[None, :] - (base[:, None] - recent)  # [B, S] column index into new_mask
         explicit = (rel >= 0) & (rel < width)
@@ -153,12 +161,17 @@ class KVCache:
             col_pos = torch.where(rel >= recent, new_positions.gather(1, j), cols[None, :])
             too_far = (new_positions[:, :, None] - col_pos[:, None, :]) >= self.sliding_window
             mask &= ~too_far
-        return StepMeta(rows=rows, write_pos=write_pos, mask=mask[:, None], span=span)
+        return StepMeta(rows, write_pos, mask[:, None], span, write_start)
 
     def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store this step's K/V ([B, kv_heads, T, hd]) and return the K/V to attend over ([B, kv, S, hd])."""
         k, v = self.k[layer], self.v[layer]
         batch = k_new.shape[0]
+        if meta.write_start is not None:  # every row writes at the same place: slice copies
+            s0, t = meta.write_start, k_new.shape[2]
+            k[:batch, :, s0 : s0 + t].copy_(k_new)
+            v[:batch, :, s0 : s0 + t].copy_(v_new)
+            return k[:batch, :, : meta.span], v[:batch, :, : meta.span]
         rows = torch.arange(batch, device=self.device) if meta.rows is None else meta.rows
         k[rows[:, None], :, meta.write_pos] = k_new.transpose(1, 2)
         v[rows[:, None], :, meta.write_pos] = v_new.transpose(1, 2)

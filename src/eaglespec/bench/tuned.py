@@ -16,7 +16,8 @@ import os
 import time
 from pathlib import Path
 
-DEFAULTS = {"mode": "tree", "tree_depth": 4, "tree_topk": 4, "tree_tokens": 16, "chain_k": 4}
+# tree_depth None: 4 for a fixed tree, the policy's maximum (engine.AUTO_MAX_DEPTH) for auto
+DEFAULTS = {"mode": "auto", "tree_depth": None, "tree_topk": 4, "tree_tokens": 16, "chain_k": 4}
 SPEC_ARGS = tuple(DEFAULTS)
 
 
@@ -86,6 +87,8 @@ def generate_settings(args, target, draft) -> tuple[dict, str]:
     flag, the tuned entry for this target+drafter when there is one; else the defaults."""
     given = {k: getattr(args, k) for k in SPEC_ARGS if getattr(args, k, None) is not None}
     if given:
+        if "mode" not in given:  # a shape flag without --mode asks for that fixed shape
+            given["mode"] = "chain" if "chain_k" in given else "tree"
         return {**DEFAULTS, **given}, "command line"
     if draft is not None:
         entry = load_tuned(target, draft)
@@ -99,4 +102,6 @@ def describe(settings: dict) -> str:
         return f"mode=chain chain_k={settings['chain_k']}"
     if settings["mode"] == "off":
         return "mode=off"
+    if settings["mode"] == "auto":
+        return f"mode=auto (cost-aware policy: chain or tree, depth <= {settings['tree_depth']}, nodes per step)"
     return f"mode=tree depth={settings['tree_depth']} topk={settings['tree_topk']} tokens={settings['tree_tokens']}"

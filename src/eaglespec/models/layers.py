@@ -44,7 +44,11 @@ def rope_tables(hf_config) -> tuple[torch.Tensor, float]:
 
 class Rotary(nn.Module):
     """RoPE for arbitrary positions: tables are computed per step from the positions, so there is no
-    precomputed cache whose length could be exceeded (no cliff at max_position_embeddings)."""
+    precomputed cache whose length could be exceeded (no cliff at max_position_embeddings).
+
+    Returns (cos, signed_sin) with signed_sin = [-sin, sin] over the two halves, so that apply_rope is
+    x * cos + roll(x, half) * signed_sin: the same products and sums as `transformers`'
+    x * cos + rotate_half(x) * sin (bit-identical), in fewer kernel launches."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0):
         super().__init__()
@@ -54,15 +58,14 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, hd]; cos/sin: [B, T, hd]."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, hd]; cos/signed_sin: [B, T, hd] from Rotary."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
 
 
 class Attention(nn.Module):
@@ -91,12 +94,22 @@ class Attention(nn.Module):
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, heads, T, hd] and k, v [B, kv_heads, T, hd], RoPE applied to q and k."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        fused = getattr(self, "_qkv", None)
+        if fused is not None:  # one matmul for q, k and v (fuse_projections)
+            y = F.linear(x, *fused).view(b, t, nh + 2 * nkv, hd).transpose(1, 2)
+            v = y[:, nh + nkv :]
+            if not hasattr(self, "q_norm"):  # RoPE on q and k in one pass
+                qk = apply_rope(y[:, : nh + nkv], cos, sin)
+                return qk[:, :nh], qk[:, nh:], v
+            q, k = y[:, :nh], y[:, nh : nh + nkv]
+        else:
+            q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
+            k = self.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, heads, T, hd] -> o_proj output [B, T, out_dim]."""
@@ -123,4 +136,42 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self, "_gate_up", None)
+        if fused is not None:  # one matmul for gate and up (fuse_projections)
+            gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate the weights (and biases) of linears that read the same input, and make each
+    linear's parameters views into the result, so there is one copy of the weights in memory."""
+    if not all(type(m) is nn.Linear for m in linears) or len({m.weight.dtype for m in linears}) != 1:
+        return None  # e.g. quantized layers: keep them separate
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        return None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Inference only: q/k/v and gate/up matmuls of every layer become one matmul each (fewer kernel
+    launches per step; per-step overhead dominates small models on CPU). Idempotent."""
+    def stale(fused, first: nn.Linear) -> bool:  # weights moved or replaced since the last fusion
+        return fused is None or fused[0].data_ptr() != first.weight.data_ptr()
+
+    for m in model.modules():
+        if isinstance(m, Attention) and stale(getattr(m, "_qkv", None), m.q_proj):
+            m._qkv = _fuse([m.q_proj, m.k_proj, m.v_proj])
+        elif isinstance(m, MLP) and stale(getattr(m, "_gate_up", None), m.gate_proj):
+            m._gate_up = _fuse([m.gate_proj, m.up_proj])
+    return model

@@ -8,13 +8,14 @@ next `extend` recomputes the accepted ones from the target's states.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..kv_cache import KVCache
 from ..models.drafter import Eagle3Drafter
-from .tree import Candidates, DraftTree, build_tree
+from .tree import Candidates, DraftTree, build_tree, root_only
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,17 @@ class EagleProposer:
                 last_state = torch.where(has, step_state, last_state)
         return last_logits, last_state
 
-    def propose(self, cache: KVCache, rows, root: torch.Tensor, logits, state) -> DraftTree:
-        """Grow the EAGLE-2 tree from the extend outputs; root [B] is the target's last token."""
-        depth, k = self.shape.depth, self.shape.top_k
+    def propose(self, cache: KVCache, rows, root: torch.Tensor, logits, state, *, width: int | None = None,
+                policy=None, confidence: float = 0.0) -> DraftTree:  # fmt: skip
+        """Grow the EAGLE-2 tree from the extend outputs; root [B] is the target's last token.
+
+        Fixed shape (policy None): self.shape's depth, top-k and node count; with `confidence` > 0,
+        drafting stops once every frontier node's cumulative probability is below it and nodes below
+        it are not verified (at least one node per step is kept). With a Policy (spec/policy.py):
+        self.shape.depth is the maximum depth, `width` the top-k, and the policy decides after each
+        level whether another one pays and how many nodes to verify (possibly none: root only).
+        """
+        depth, k = self.shape.depth, width or self.shape.top_k
         b, dev = root.shape[0], root.device
         d2t = self.draft_to_target
         top = logits.float().log_softmax(-1).topk(k, dim=-1)
@@ -100,12 +109,21 @@ class EagleProposer:
         last_pos = base_host.to(dev)[:, None] - 1  # position of the last committed pair
         anc = torch.zeros(b, k, 0, dtype=torch.bool, device=dev)
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
-        offset = k
+        offset, levels = k, 1
+        log_conf = math.log(confidence) if confidence > 0 else None
         for level in range(1, depth):
+            if policy is not None:
+                q = policy.acceptance.eagle_q(torch.cat(scores, 1), _depth_table(scores, depths))
+                front = policy.acceptance.eagle_q(f_score, torch.full_like(f_tok, level + 1))
+                if not policy.keep_drafting(level, q, front, policy.draft_seconds(level, k)):
+                    break
+            elif log_conf is not None and bool((f_score < log_conf).all()):
+                break
             seen = torch.cat([anc, eye], dim=-1)  # ancestors (earlier levels) + self
             meta = cache.prepare(rows, seen)
             out_logits, out_state = self.drafter(f_tok, f_state, (last_pos + level).expand(b, k), cache, meta)
             cache.commit(rows, torch.full((b,), k))
+            levels += 1
             child = out_logits.float().log_softmax(-1).topk(k, dim=-1)
             c_score = (f_score[:, :, None] + child.values).reshape(b, k * k)
             c_tok = d2t[child.indices].reshape(b, k * k)
@@ -121,7 +139,21 @@ class EagleProposer:
             f_state = out_state.gather(1, par[:, :, None].expand(b, k, out_state.shape[-1]))
             anc = seen.gather(1, par[:, :, None].expand(b, k, seen.shape[-1]))
             offset += k * k
-        cache.commit(rows, torch.full((b,), -k * (depth - 1)))  # drop the tree levels' KV
-        depth_t = torch.cat([torch.full_like(t, d) for t, d in zip(tokens, depths)], dim=1)
-        cand = Candidates(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), depth_t)
-        return build_tree(root, cand, self.shape.num_nodes, depth)
+        cache.commit(rows, torch.full((b,), -k * (levels - 1)))  # drop the tree levels' KV
+        all_scores = torch.cat(scores, 1)
+        depth_t = _depth_table(scores, depths)
+        cand = Candidates(torch.cat(tokens, 1), all_scores, torch.cat(parents, 1), depth_t)
+        if policy is not None:
+            q = policy.acceptance.eagle_q(all_scores, depth_t)
+            num_nodes = policy.node_count(q, policy.draft_seconds(levels, k))
+        elif log_conf is not None:
+            num_nodes = min(self.shape.num_nodes, max(1, int((all_scores >= log_conf).sum(-1).max())))
+        else:
+            num_nodes = self.shape.num_nodes
+        if num_nodes == 0:
+            return root_only(root)
+        return build_tree(root, cand, num_nodes, levels)
+
+
+def _depth_table(scores: list[torch.Tensor], depths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full(s.shape, d, dtype=torch.long, device=s.device) for s, d in zip(scores, depths)], 1)

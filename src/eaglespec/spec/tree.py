@@ -15,12 +15,15 @@ import torch
 @dataclass
 class DraftTree:
     """tokens [B, N+1] target ids; parent [B, N+1] (root: -1); depth [B, N+1] (root: 0);
-    mask [B, N+1, N+1] bool, mask[b, i, j] = j is i or an ancestor of i."""
+    mask [B, N+1, N+1] bool, mask[b, i, j] = j is i or an ancestor of i;
+    score [B, N+1] the drafter's cumulative log-prob of each node (root 0; -inf for nodes that did
+    not come from the drafter, e.g. copied from the context), or None."""
 
     tokens: torch.Tensor
     parent: torch.Tensor
     depth: torch.Tensor
     mask: torch.Tensor
+    score: torch.Tensor | None = None
 
     @property
     def num_draft(self) -> int:
@@ -83,7 +86,8 @@ def build_tree(root: torch.Tensor, cand: Candidates, num_nodes: int, max_depth: 
     parent = torch.cat([minus1, parent], dim=1)
     tokens = torch.cat([root[:, None], cand.tokens.gather(1, keep)], dim=1)
     depth = torch.cat([torch.zeros_like(minus1), cand.depth.gather(1, keep)], dim=1)
-    return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth))
+    score = torch.cat([torch.zeros(b, 1, device=root.device), cand.scores.float().gather(1, keep)], dim=1)
+    return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth), score)
 
 
 def children_table(parent: torch.Tensor, max_children: int) -> torch.Tensor:
@@ -99,3 +103,13 @@ def children_table(parent: torch.Tensor, max_children: int) -> torch.Tensor:
     r = torch.where(has, rank.clamp(max=max_children), torch.full_like(rank, max_children))
     table[rows, torch.where(has, parent, torch.full_like(parent, n)), r] = torch.where(has, nodes, -1)
     return table[:, :n, :max_children]
+
+
+def max_children(tree: DraftTree) -> int:
+    """The largest number of children any node of any row has (at least 1)."""
+    b, n = tree.parent.shape
+    if n == 1:
+        return 1
+    counts = torch.zeros(b, n + 1, dtype=torch.long, device=tree.parent.device)
+    counts.scatter_add_(1, tree.parent + 1, torch.ones_like(tree.parent))
+    return max(1, int(counts[:, 1:].max()))

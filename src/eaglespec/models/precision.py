@@ -1,0 +1,116 @@
+"""`--dtype auto`: the precision this device runs the model fastest in.
+
+Target and drafter always share the chosen precision, so plain and speculative decoding compute
+their logits with the same kernels' precision and greedy outputs stay identical at that precision.
+
+CPU: bf16 only where the CPU computes it natively (AMX or AVX-512 BF16; without them bf16 is
+emulated and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick measurement on the
+model's own matrix shapes (one token, as in plain decoding, and 17 tokens, as in verifying a tree)
+says it is faster; fp32 otherwise. CUDA: bf16 where supported, else fp16.
+The measurement (well under a second) is cached with the calibration files (spec/costs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CHOICES = ("auto", "fp32", "bf16", "fp16")
+_NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _time_linear(w: torch.Tensor, m: int, repeats: int = 30) -> float:
+    x = torch.randn(m, w.shape[1], dtype=w.dtype)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cpu(hidden: int, intermediate: int, vocab: int) -> dict:
+    """Seconds per linear in fp32 and bf16 for this model's shapes at 1 and 17 tokens."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(intermediate, hidden), (hidden, intermediate), (min(vocab, 32768), hidden)]
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ws = [torch.randn(o, i, generator=g).to(dt) for o, i in shapes]
+        out[name] = {str(m): sum(_time_linear(w, m) for w in ws) for m in (1, 17)}
+    return out
+
+
+def _cache_path() -> Path:
+    from ..spec.costs import cache_dir
+
+    return cache_dir() / "precision.json"
+
+
+def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int, vocab: int) -> tuple[str, str]:
+    """Returns (dtype name, reason). Raises ValueError for an unknown or unsupported request."""
+    if requested not in CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(CHOICES)}, got {requested!r}")
+    dev = torch.device(device)
+    if requested != "auto":
+        if dev.type == "cpu" and requested == "fp16":
+            raise ValueError("--dtype fp16 is not supported on CPU (no fast fp16 kernels); use auto, fp32 or bf16")
+        if dev.type == "cuda" and requested == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError("this GPU has no bf16 support; use --dtype fp16 or auto")
+        return requested, "requested"
+    if dev.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "CUDA with bf16 support"
+        return "fp16", "CUDA without bf16 support"
+    if dev.type != "cpu":
+        return "fp32", f"device {dev.type}: fp32 (no measurement for this device)"
+    flags = cpu_flags()
+    native = [f for f in _NATIVE_BF16_FLAGS if f in flags]
+    if not native:
+        return "fp32", "CPU has no native bf16 (no AMX or AVX-512 BF16): fp32"
+    key = f"{_cpu_key()}|{torch.get_num_threads()}|{torch.__version__}|{hidden}x{intermediate}x{vocab}"
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(cached, dict):
+            cached = {}
+    except (OSError, ValueError):
+        cached = {}  # corrupt: measure again and rewrite
+    if key not in cached:
+        cached[key] = measure_cpu(hidden, intermediate, vocab)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cached, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    t = cached[key]
+    f32, f32_17, b16, b16_17 = t["fp32"]["1"], t["fp32"]["17"], t["bf16"]["1"], t["bf16"]["17"]
+    # a plain step is one token, a speculative step verifies ~17: weigh both equally
+    choice = "bf16" if b16 + b16_17 < 0.9 * (f32 + f32_17) else "fp32"
+    detail = (f"{'+'.join(native)}; measured on the model's shapes, 1 / 17 tokens: fp32 {f32 * 1e3:.2f} / "
+              f"{f32_17 * 1e3:.2f} ms, bf16 {b16 * 1e3:.2f} / {b16_17 * 1e3:.2f} ms")  # fmt: skip
+    return choice, detail
+
+
+def _cpu_key() -> str:
+    from ..spec.costs import cpu_name
+
+    return cpu_name()

@@ -1,0 +1,208 @@
+"""Calibrated step costs: seconds for a target forward over n tokens per row and for one drafter
+forward over k tokens per row, measured on this machine for this model pair, precision and batch size.
+
+The speculation policy (spec/policy.py) turns these into expected tokens per second. Measuring takes
+a few seconds, so results are cached on disk, keyed by everything that changes them: CPU model,
+thread count, torch version, device, precision, batch size and the models' shapes (not their weights:
+cost does not depend on the values). A corrupt or unreadable cache file is ignored and rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_WIDTHS = (1, 2, 4, 8)
+MAX_CALIBRATION_TOKENS = 2048  # per forward (batch x tokens): larger trees are not considered
+CALIBRATION_CONTEXT = 256  # committed cache length the forwards attend over
+FORMAT = 1
+
+
+@dataclass
+class StepCosts:
+    """Seconds per forward at one batch size: verify[n] = target forward over n tokens per row
+    (lm_head included); draft[k] = drafter forward over k tokens per row (lm_head, log-softmax and
+    top-k included)."""
+
+    batch: int
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+    def verify_cost(self, n: int) -> float:
+        return _interpolate(self.verify, n)
+
+    def draft_cost(self, k: int) -> float:
+        return _interpolate(self.draft, k)
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return max(self.verify)
+
+    def to_json(self) -> dict:
+        return {"batch": self.batch, "verify": self.verify, "draft": self.draft}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> StepCosts:
+        verify = {int(k): float(v) for k, v in raw["verify"].items()}
+        draft = {int(k): float(v) for k, v in raw["draft"].items()}
+        if not verify or not draft or min(verify.values()) <= 0 or min(draft.values()) <= 0 or 1 not in verify:
+            raise ValueError("calibration entry has empty or non-positive costs")
+        return cls(int(raw["batch"]), verify, draft)
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """Piecewise-linear in x; beyond the largest measured point the cost is infinite (never chosen)."""
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    if x > keys[-1]:
+        return float("inf")
+    for a, b in zip(keys, keys[1:]):
+        if a <= x <= b:
+            w = (x - a) / (b - a)
+            return table[a] * (1 - w) + table[b] * w
+    return table[keys[-1]]
+
+
+# -- cache ---------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_signature(model) -> dict:
+    params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    cfg = getattr(model, "cfg", None)
+    return {"cfg": repr(cfg), "params": hashlib.sha1(repr(params).encode()).hexdigest()}
+
+
+def cache_key(target, drafter, batch: int) -> str:
+    p = next(target.parameters())
+    parts = {
+        "format": FORMAT,
+        "cpu": cpu_name() if p.device.type == "cpu" else torch.cuda.get_device_name(p.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": str(p.device),
+        "dtype": str(p.dtype),
+        "batch": batch,
+        "target": _model_signature(target),
+        "drafter": _model_signature(drafter) if drafter is not None else None,
+    }
+    return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cache(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        return raw
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring unreadable calibration cache {path} ({e}); it will be rebuilt", stacklevel=3)
+        return {}
+
+
+def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None) -> StepCosts:
+    """Cached costs for this machine/model/precision/batch, measured (a few seconds) when missing."""
+    path = path or cache_dir() / "calibration.json"
+    key = cache_key(target, drafter, batch)
+    entries = _read_cache(path)
+    if key in entries:
+        try:
+            return StepCosts.from_json(entries[key])
+        except (KeyError, TypeError, ValueError) as e:
+            warnings.warn(f"ignoring a corrupt calibration entry in {path} ({e}); recalibrating", stacklevel=2)
+    costs = calibrate(target, drafter, batch)
+    entries = _read_cache(path)  # re-read: another process may have added entries meanwhile
+    entries[key] = costs.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home still works, just without the cache
+        warnings.warn(f"could not write calibration cache {path}: {e}", stacklevel=2)
+    return costs
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT, repeats: int = 5) -> StepCosts:
+    """Measure target forwards over n tokens per row (n in VERIFY_GRID) and drafter forwards over k
+    tokens per row (k in DRAFT_WIDTHS) attending over `context` committed positions."""
+    from .proposer import causal_mask
+
+    dev = next(target.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = None
+    grid = [n for n in VERIFY_GRID if n * batch <= MAX_CALIBRATION_TOKENS] or [1]
+    tcache = target.new_cache(batch, max_length=context + max(grid) + 1, initial_capacity=context + max(grid) + 1)
+    tcache.commit(rows, torch.full((batch,), context))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    verify = {}
+    for n in grid:
+        ids = torch.randint(0, target.cfg.vocab_size, (batch, n), generator=gen).to(dev)
+        mask = causal_mask(torch.full((batch,), n, device=dev), n)
+        pos = torch.full((batch, 1), context, device=dev) + torch.arange(n, device=dev)
+
+        def run_target(ids=ids, mask=mask, pos=pos):
+            meta = tcache.prepare(rows, mask, pos)
+            h, _ = target(ids, pos, tcache, meta, capture_aux=drafter is not None)
+            target.logits(h).argmax(-1)
+            sync()
+
+        verify[n] = _median_seconds(run_target, repeats if n * batch <= 256 else max(2, repeats // 2))
+    draft = {}
+    if drafter is not None:
+        dcache = drafter.new_cache(batch, max_length=context + max(DRAFT_WIDTHS) + 1)
+        dcache.commit(rows, torch.full((batch,), context))
+        for k in DRAFT_WIDTHS:
+            ids = torch.randint(0, target.cfg.vocab_size, (batch, k), generator=gen).to(dev)
+            hidden = torch.zeros(batch, k, drafter.cfg.hidden_size, device=dev, dtype=drafter.fc.weight.dtype)
+            mask = torch.ones(batch, k, k, dtype=torch.bool, device=dev)
+            pos = torch.full((batch, k), context, device=dev)
+
+            def run_drafter(ids=ids, hidden=hidden, mask=mask, pos=pos, k=k):
+                meta = dcache.prepare(rows, mask)
+                logits, _ = drafter(ids, hidden, pos, dcache, meta)
+                logits.float().log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+                sync()
+
+            draft[k] = _median_seconds(run_drafter, repeats)
+    else:
+        draft = {1: float("inf")}
+    return StepCosts(batch, verify, draft)
+
+

@@ -1,0 +1,256 @@
+"""Cost-aware speculation policy: whether to speculate, how deep to draft, how wide, how many nodes.
+
+Expected tokens of a step. With greedy verification the accepted path is unique, so the expected
+number of accepted draft tokens is the sum over verified nodes v of P(v is on the accepted path) =
+P(every token on the path root..v is the target's choice). EAGLE-2 observed that the drafter's
+cumulative probability along the path, exp(score_v), estimates this well; we calibrate it per depth
+online: q(v) = min(1, alpha[depth] * exp(score_v)), alpha = observed accepted nodes / predicted. Nodes
+copied from the context (n-grams) get q = beta[j], the measured chance that the first j copied tokens
+are right. A step that verifies the node set S costs C = draft + verify(|S| + 1) seconds (calibrated,
+spec/costs.py) and yields B + sum_S q tokens over B rows, so the policy
+
+- keeps the n best nodes (by q; top-n is ancestor-closed because q never grows along a path) with n
+  maximising (B + S_n) / (draft + verify(n + 1)), n = 0 meaning "root only";
+- stops drafting deeper (confidence-based drafting) as soon as even an optimistic next level, whose
+  nodes all had the frontier's best q, could not raise that value: this is a confidence threshold on
+  the frontier that follows from the measured costs instead of being a fixed number;
+- picks the drafting width (top-k 1 = chain, 2, 4, ...) per batch size by measured throughput
+  (a small bandit that keeps probing the other widths now and then);
+- turns speculation off when measured speculative throughput falls below plain decoding's (plain
+  rate from calibration, refreshed by measured plain steps), probing again with exponential back-off.
+
+Only what is proposed changes, never what is accepted, so every decision here is lossless.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .costs import StepCosts
+
+
+@dataclass
+class AcceptanceModel:
+    """Online calibration of draft confidence (alpha per depth) and n-gram accuracy (beta per depth).
+    Counts decay by `decay` per update so estimates follow the text being generated."""
+
+    max_depth: int = 16
+    prior: float = 4.0  # pseudo-counts: alpha starts at 1 (trust the drafter), beta at prior_beta
+    prior_beta: float = 0.3
+    decay: float = 0.98
+    obs: list[float] = field(default_factory=list)
+    pred: list[float] = field(default_factory=list)
+    ng_hit: list[float] = field(default_factory=list)
+    ng_try: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        d = self.max_depth + 1
+        self.obs = self.obs or [self.prior] * d
+        self.pred = self.pred or [self.prior] * d
+        self.ng_hit = self.ng_hit or [self.prior * self.prior_beta**j for j in range(d)]
+        self.ng_try = self.ng_try or [self.prior] * d
+
+    def alpha(self) -> torch.Tensor:
+        return torch.tensor([o / p for o, p in zip(self.obs, self.pred)])
+
+    def eagle_q(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """scores [.., M] cumulative log-probs, depths [.., M] -> q [.., M] in [0, 1]."""
+        a = self.alpha().to(scores.device)[depths.clamp(max=self.max_depth)]
+        return (a * scores.float().exp()).clamp(max=1.0)
+
+    def ngram_q(self, length: int) -> list[float]:
+        """q of the first `length` copied tokens (non-increasing)."""
+        out, last = [], 1.0
+        for j in range(1, min(length, self.max_depth) + 1):
+            last = min(last, self.ng_hit[j] / self.ng_try[j])
+            out.append(last)
+        return out
+
+    def observe_eagle(self, predicted: list[float], accepted: list[float]) -> None:
+        """Per depth d: predicted = sum of exp(score) over verified EAGLE nodes at depth d, accepted =
+        how many of them were on an accepted path (summed over rows)."""
+        for d in range(1, min(len(predicted), self.max_depth + 1)):
+            if predicted[d] > 0:
+                self.obs[d] = self.decay * self.obs[d] + accepted[d]
+                self.pred[d] = self.decay * self.pred[d] + predicted[d]
+
+    def observe_ngram(self, tried: list[int], hits: list[int]) -> None:
+        """tried[j] chains whose first j tokens could be judged, hits[j] of them right."""
+        for j in range(1, min(len(tried), self.max_depth + 1)):
+            if tried[j]:
+                self.ng_hit[j] = self.decay * self.ng_hit[j] + hits[j]
+                self.ng_try[j] = self.decay * self.ng_try[j] + tried[j]
+
+
+def best_node_count(q_sorted: torch.Tensor, rows: int, draft_seconds: float, costs: StepCosts,
+                    max_nodes: int) -> tuple[int, float]:  # fmt: skip
+    """q_sorted [B, M] per-row q values sorted descending. Returns (n, tokens per second) maximising
+    (B + sum over rows of the n best q) / (draft_seconds + verify(n + 1)), n in 0..min(M, max_nodes)."""
+    m = min(q_sorted.shape[-1], max_nodes, costs.max_verify_tokens - 1)
+    gains = torch.zeros(m + 1)
+    if m > 0:
+        gains[1:] = q_sorted[:, :m].float().sum(0).cumsum(0).cpu()
+    best_n, best_v = 0, -1.0
+    for n in range(m + 1):
+        v = (rows + float(gains[n])) / (draft_seconds + costs.verify_cost(n + 1))
+        if v > best_v:
+            best_n, best_v = n, v
+    return best_n, best_v
+
+
+def level_pays(value_now: float, tokens_now: float, seconds_now: float, n_now: int, frontier_q_sum: float,
+               new_nodes: int, costs: StepCosts, level_seconds: float, max_nodes: int) -> bool:  # fmt: skip
+    """Could one more drafted level raise the step's tokens per second? Optimistic bound: up to
+    `new_nodes` more nodes per row, each as likely as the frontier's best (frontier_q_sum = sum over
+    rows of each row's best frontier q; children are never likelier than their parent)."""
+    for m in range(1, min(new_nodes, max_nodes - n_now) + 1):
+        v = (tokens_now + m * frontier_q_sum) / (seconds_now + level_seconds + costs.verify_cost(n_now + m + 1))
+        if v > value_now * 1.0001:
+            return True
+    return False
+
+
+@dataclass
+class StepPlan:
+    top_k: int
+    max_depth: int
+
+
+class Policy:
+    """Per batch size: speculation on/off, drafting width and per-step depth/node choices.
+
+    costs None: a fixed shape (the caller's); only the on/off decision is made, from measured rates.
+    adaptive False: always speculate (measurements of a forced shape)."""
+
+    def __init__(self, costs: StepCosts | None, *, widths=(1, 2, 4), max_depth: int = 8, max_nodes: int = 64,
+                 adaptive: bool = True, acceptance: AcceptanceModel | None = None,
+                 judge_after: int = 3, probe_every: int = 48, alpha: float = 0.3):  # fmt: skip
+        self.costs = costs
+        if costs is not None:
+            widths = tuple(w for w in widths if costs.draft_cost(w) < math.inf) or (1,)
+        self.widths = tuple(widths)
+        self.max_depth, self.max_nodes, self.adaptive = max_depth, max_nodes, adaptive
+        self.acceptance = acceptance or AcceptanceModel(max_depth=max(16, max_depth))
+        self.judge_after, self.probe_every, self.ema = judge_after, probe_every, alpha
+        # tokens/s of plain steps: from calibration when there is one, refreshed by measured plain steps
+        self.plain_rate = costs.batch / costs.verify_cost(1) if costs is not None else None
+        self.rates: dict[int, float | None] = {w: None for w in self.widths}  # measured, per width
+        self.tries: dict[int, int] = {w: 0 for w in self.widths}
+        self.width = max(self.widths)
+        self.streak = 0  # speculative steps since the last plain one
+        self.plain_left = 0
+        self.backoff = 8
+        self.steps = 0
+        self.plain_steps = 0
+        self.chosen: list[tuple[int, int, int]] = []  # (width, depth, nodes) per speculative step
+
+    # -- before a step ---------------------------------------------------------------------------
+    def plan(self) -> StepPlan | None:
+        """The drafting plan for the next step, or None for a plain step."""
+        self.steps += 1
+        if self.adaptive:
+            if self.plain_left > 0:
+                return None
+            if self.plain_rate is None and self.streak >= self.judge_after:
+                self.plain_left = 2  # no plain rate yet: measure it
+                return None
+        self.width = self._pick_width()
+        return StepPlan(self.width, self.max_depth)
+
+    def _pick_width(self) -> int:
+        if len(self.widths) == 1:
+            return self.widths[0]
+        untried = [w for w in self.widths if self.tries[w] < self.judge_after]
+        if untried:
+            return max(untried)
+        if self.steps % 16 == 0:  # keep the others' measurements fresh
+            return self.widths[(self.steps // 16) % len(self.widths)]
+        return max(self.widths, key=lambda w: self.rates[w] or 0.0)
+
+    # -- while drafting --------------------------------------------------------------------------
+    def keep_drafting(self, level: int, q: torch.Tensor, frontier_q: torch.Tensor, draft_seconds: float) -> bool:
+        """After `level` drafted levels: q [B, M] candidates so far, frontier_q [B, k]."""
+        if level >= self.max_depth:
+            return False
+        b = q.shape[0]
+        q_sorted = q.sort(dim=-1, descending=True).values
+        n, value = best_node_count(q_sorted, b, draft_seconds, self.costs, self.max_nodes)
+        tokens = value * (draft_seconds + self.costs.verify_cost(n + 1))
+        k = frontier_q.shape[-1]
+        front = float(frontier_q.max(dim=-1).values.sum())
+        return level_pays(value, tokens, draft_seconds, n, front, k * k, self.costs,
+                          self.costs.draft_cost(k), self.max_nodes)  # fmt: skip
+
+    def node_count(self, q: torch.Tensor, draft_seconds: float) -> int:
+        q_sorted = q.sort(dim=-1, descending=True).values
+        n, _ = best_node_count(q_sorted, q.shape[0], draft_seconds, self.costs, self.max_nodes)
+        return n
+
+    def draft_seconds(self, levels: int, width: int) -> float:
+        """Predicted drafting time: the extend (about one width-1 forward) plus each tree level."""
+        return self.costs.draft_cost(1) + max(levels - 1, 0) * self.costs.draft_cost(width)
+
+    # -- after a step ----------------------------------------------------------------------------
+    def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None):
+        """After a step: `tokens` emitted over all rows in `seconds`; shape = (width, depth, nodes)."""
+        rate = tokens / max(seconds, 1e-9)
+        if not speculated:
+            self.plain_steps += 1
+            fresh = self.plain_rate is None or self.streak > 0
+            self.plain_rate = rate if fresh else (1 - self.ema) * self.plain_rate + self.ema * rate
+            self.plain_left = max(0, self.plain_left - 1)
+            self.streak = 0
+            return
+        w = self.width
+        self.tries[w] = self.tries.get(w, 0) + 1
+        old = self.rates.get(w)
+        fresh = old is None or self.streak == 0  # first step after plain ones: the text may have changed
+        self.rates[w] = rate if fresh else (1 - self.ema) * old + self.ema * rate
+        if shape is not None:
+            self.chosen.append(shape)
+        self.streak += 1
+        if not self.adaptive or self.streak < self.judge_after or self.plain_rate is None:
+            return
+        best = max((r for r in self.rates.values() if r is not None), default=0.0)
+        if best < self.plain_rate:
+            self.plain_left = self.backoff  # nothing pays now: plain steps, then probe again
+            self.backoff = min(2 * self.backoff, 512)
+        else:
+            self.backoff = 8
+            if self.streak >= self.probe_every:
+                self.plain_left = 1  # refresh the plain rate now and then
+
+    def summary(self) -> dict:
+        """What the policy chose: widths, mean depth and nodes of speculative steps, measured rates."""
+        n = len(self.chosen)
+        out = {"speculative_steps": n, "plain_steps": self.plain_steps,
+               "plain_rate": round(self.plain_rate, 1) if self.plain_rate else None,
+               "rates": {w: (round(r, 1) if r else None) for w, r in self.rates.items()}}  # fmt: skip
+        if n:
+            out["mean_depth"] = round(sum(c[1] for c in self.chosen) / n, 2)
+            out["mean_nodes"] = round(sum(c[2] for c in self.chosen) / n, 2)
+            counts: dict[int, int] = {}
+            for c in self.chosen:
+                counts[c[0]] = counts.get(c[0], 0) + 1
+            out["width_share"] = {w: round(c / n, 3) for w, c in sorted(counts.items())}
+        return out
+
+
+def observe_acceptance(model: AcceptanceModel, tree, acc) -> None:
+    """Feed one verified step to the confidence calibration: per depth, the predicted sum of
+    exp(score) over the drafter's nodes and how many of them were on the accepted path."""
+    score, depth = tree.score, tree.depth
+    d_max = int(depth.max())
+    if d_max == 0:
+        return
+    eagle = torch.isfinite(score) & (depth > 0)
+    p = torch.where(eagle, score.float().exp(), torch.zeros_like(score, dtype=torch.float32))
+    predicted = torch.zeros(d_max + 1).scatter_add_(0, depth.flatten().cpu(), p.flatten().cpu())
+    steps = torch.arange(acc.path.shape[1], device=acc.path.device)
+    on_path = (steps[None] <= acc.accepted[:, None]) & (steps[None] > 0)
+    path_eagle = eagle.gather(1, acc.path) & on_path
+    accepted = path_eagle.sum(0).float().cpu()
+    model.observe_eagle(predicted.tolist(), accepted.tolist() + [0.0] * (d_max + 1 - accepted.numel()))
