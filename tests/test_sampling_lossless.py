@@ -55,18 +55,21 @@ N = 3000
 
 
 @pytest.mark.parametrize(
-    "mode,params",
+    "mode,params,confidence",
     [
-        ("tree", SamplingParams(temperature=1.0, seed=11)),
-        ("chain", SamplingParams(temperature=0.8, top_p=0.9, seed=12)),
-        ("tree", SamplingParams(temperature=0.8, top_k=6, seed=13)),
-        ("chain", SamplingParams(temperature=1.0, top_p=0.85, top_k=10, seed=14)),
+        ("tree", SamplingParams(temperature=1.0, seed=11), 0.0),
+        ("chain", SamplingParams(temperature=0.8, top_p=0.9, seed=12), 0.0),
+        ("tree", SamplingParams(temperature=0.8, top_k=6, seed=13), 0.0),
+        ("chain", SamplingParams(temperature=1.0, top_p=0.85, top_k=10, seed=14), 0.0),
+        ("tree", SamplingParams(temperature=1.0, seed=15), 0.15),  # confidence-truncated drafts
+        ("auto", SamplingParams(temperature=0.9, seed=16), 0.0),  # the cost-aware policy's trees
     ],
 )
-def test_speculative_sampling_matches_target(model, mode, params):
+def test_speculative_sampling_matches_target(model, mode, params, confidence):
     target, hf = model
     drafter = random_drafter(target, draft_vocab=12, scale=0.3, fc_norm=True, norm_output=True)
-    eng = Engine(target, drafter, mode=mode, tree=TreeShape(3, 3, 8), chain_k=3, adaptive=False)
+    eng = Engine(target, drafter, mode=mode, tree=TreeShape(3, 3, 8), chain_k=3, adaptive=False,
+                 confidence=confidence)  # fmt: skip
     out = eng.generate([Request(PROMPT, 3)] * N, params, batch_size=750)
     toks = torch.tensor([r.output_ids for r in out.results])
     assert toks.shape == (N, 3)

@@ -14,7 +14,7 @@ import torch
 
 from .kv_cache import ContextLengthError
 from .models.drafter import Eagle3Drafter, check_pair
-from .models.layers import fuse_projections
+from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
 from .sampling import SamplingParams, make_generator, target_probs
 from .spec.costs import load_or_calibrate
@@ -99,7 +99,7 @@ class Engine:
         if mode != "off" and drafter is None:
             mode = "off"
         self.target, self.tokenizer = target, tokenizer
-        fuse_projections(target)
+        prepare_for_inference(target)
         self.mode = mode
         self.drafter = drafter if mode != "off" else None
         self.max_length = max_length or target.cfg.max_position_embeddings
@@ -107,7 +107,7 @@ class Engine:
         self.shape = None
         if self.drafter is not None:
             check_pair(self.drafter, target)
-            fuse_projections(self.drafter)
+            prepare_for_inference(self.drafter)
             if self.drafter.embed_tokens is None:
                 self.drafter.attach_target_embedding(target.model.embed_tokens)
             target.set_aux_layers(tuple(self.drafter.cfg.aux_layer_ids or ()) or None)
@@ -200,6 +200,9 @@ class Engine:
                 policy = Policy(None, widths=(self.shape.top_k,), max_depth=self.shape.depth, adaptive=self.adaptive)
             self._policies[batch] = policy
         policy = self._policies[batch]
+        if policy.costs is not None and policy.calibration_suspect():
+            policy.costs = load_or_calibrate(self.target, self.drafter, batch, force=True)
+            policy.ratios.clear()
         policy.adaptive = self.adaptive
         return policy
 

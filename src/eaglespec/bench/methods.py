@@ -18,16 +18,18 @@ from pathlib import Path
 import torch
 
 from ..api import load_tokenizer, stop_ids_for
-from ..engine import Engine, Request
+from ..engine import AUTO_MAX_DEPTH, AUTO_MAX_NODES, AUTO_WIDTHS, Engine, Request
 from ..models.checkpoint import load_target
 from ..models.drafter import load_drafter
 from ..sampling import SamplingParams
 from ..spec.proposer import TreeShape
 from ..stats import SpecStats
 
-OUR_KINDS = ("plain", "chain", "tree")
+OUR_KINDS = ("plain", "auto", "chain", "tree")  # auto: the cost-aware policy (generate's default)
 PEER_KINDS = ("hf_generate", "hf_assisted", "prompt_lookup")
 ALL_KINDS = OUR_KINDS + PEER_KINDS
+SPEC_KINDS = ("auto", "chain", "tree")
+LLAMACPP_KINDS = ("llamacpp_plain", "llamacpp_eagle3")  # opt-in (not in "all"): needs scripts/llamacpp/build.sh
 ASSISTANT_LAYERS = 2
 PROMPT_LOOKUP_TOKENS = 10  # the value transformers' docs use
 # transformers' defaults for assisted generation, passed explicitly so the report states them
@@ -59,7 +61,7 @@ class Method:
 def parse_kinds(text: str | None) -> list[str]:
     from .suites import parse_choices
 
-    return parse_choices(text, ALL_KINDS, "methods")
+    return list(ALL_KINDS) if text in (None, "all") else parse_choices(text, ALL_KINDS + LLAMACPP_KINDS, "methods")
 
 
 def tensor_bytes(params) -> int:
@@ -155,7 +157,13 @@ class Models:
     dtype: str = "fp32"
 
 
-def load_models(target_dir, drafts: list, dtype: str = "fp32") -> Models:
+def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
+    from ..models.checkpoint import read_config
+    from ..models.precision import choose_dtype
+
+    raw = read_config(target_dir)
+    dtype, _why = choose_dtype("cpu", dtype, hidden=raw.get("hidden_size", 1024),
+                               intermediate=raw.get("intermediate_size", 4096), vocab=raw.get("vocab_size", 32000))
     target = load_target(target_dir, dtype=dtype)
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
@@ -175,23 +183,36 @@ def spec_method(models: Models, label: str, path, drafter, kind: str, *, tree: T
     return EngineMethod(name or f"{kind}[{label}]", kind, engine, settings)
 
 
+def use_synthetic_acceptance(methods: list[Method], profile: list[float]) -> None:
+    """Make our chain/tree methods accept by `profile` (spec/synthetic.py): a cost benchmark whose rows are
+    not lossless, so the lossless check leaves them out."""
+    for m in methods:
+        if isinstance(m, EngineMethod) and m.kind in SPEC_KINDS:
+            m.engine.synthetic_acceptance = list(profile)
+            m.lossless = False
+            m.settings["synthetic_acceptance"] = list(profile)
+
+
 def shape_settings(kind: str, shape: TreeShape) -> dict:
     """The settings `eaglespec generate` takes (what --auto saves)."""
     if kind == "chain":
         return {"mode": "chain", "chain_k": shape.depth}
+    if kind == "auto":
+        return {"mode": "auto", "tree_depth": shape.depth}
     return {"mode": "tree", "tree_depth": shape.depth, "tree_topk": shape.top_k, "tree_tokens": shape.num_nodes}
 
 
 def engine_methods(models: Models, kinds: list[str], *, tree: TreeShape, chain_k: int,
                    adaptive: bool = True) -> list[Method]:  # fmt: skip
     """plain, then chain and tree per drafter, as requested in `kinds`."""
-    if any(k in ("chain", "tree") for k in kinds) and not models.drafters:
-        raise ValueError("chain/tree methods need a drafter: pass --draft DIR (or --methods plain,hf_generate,...)")
+    if any(k in SPEC_KINDS for k in kinds) and not models.drafters:
+        raise ValueError("auto/chain/tree methods need a drafter: pass --draft DIR (or --methods plain,hf_generate,...)")
     methods: list[Method] = [plain_method(models)] if "plain" in kinds else []
     for label, path, drafter in models.drafters:
-        for kind in ("chain", "tree"):
+        for kind in SPEC_KINDS:
             if kind in kinds:
-                methods.append(spec_method(models, label, path, drafter, kind, tree=tree, chain_k=chain_k,
+                shape = tree if kind != "auto" else TreeShape(AUTO_MAX_DEPTH, max(AUTO_WIDTHS), AUTO_MAX_NODES)
+                methods.append(spec_method(models, label, path, drafter, kind, tree=shape, chain_k=chain_k,
                                            adaptive=adaptive))  # fmt: skip
     return methods
 
@@ -201,9 +222,16 @@ def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k:
     """Our engine's methods, then the peers."""
     methods = engine_methods(models, kinds, tree=tree, chain_k=chain_k, adaptive=adaptive)
     peers = [k for k in kinds if k in PEER_KINDS]
-    if peers:
+    llama = [k for k in kinds if k in LLAMACPP_KINDS]
+    if peers or llama:
         stop_ids = stop_ids_for(Engine(models.target, None, mode="off", tokenizer=models.tokenizer))
+    if peers:
         methods += build_peers(peers, models.target_dir, stop_ids, models.tokenizer, models.dtype)
+    if llama:
+        from .peers.llamacpp import llamacpp_methods
+
+        methods += llamacpp_methods(llama, models.target_dir, [(lb, p) for lb, p, _ in models.drafters], stop_ids,
+                                    threads=torch.get_num_threads(), dtype=models.dtype, chain_k=chain_k)  # fmt: skip
     return methods
 
 

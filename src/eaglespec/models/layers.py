@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fused: same math, half the time
-        x = x.to(torch.float32) if dtype in (torch.float16, torch.bfloat16) else x
+        if dtype in (torch.float16, torch.bfloat16):  # normalise in fp32 as transformers does, fused
+            return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(dtype)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -96,8 +97,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         fused = getattr(self, "_qkv", None)
-        if fused is not None:  # one matmul for q, k and v (fuse_projections)
-            y = F.linear(x, *fused).view(b, t, nh + 2 * nkv, hd).transpose(1, 2)
+        if fused is not None:  # one matmul for q, k and v (models/fast_linear.py)
+            y = fused(x).view(b, t, nh + 2 * nkv, hd).transpose(1, 2)
             v = y[:, nh + nkv :]
             if not hasattr(self, "q_norm"):  # RoPE on q and k in one pass
                 qk = apply_rope(y[:, : nh + nkv], cos, sin)
@@ -137,41 +138,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "_gate_up", None)
-        if fused is not None:  # one matmul for gate and up (fuse_projections)
-            gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+        if fused is not None:  # one matmul for gate and up (models/fast_linear.py)
+            gate, up = fused(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenate the weights (and biases) of linears that read the same input, and make each
-    linear's parameters views into the result, so there is one copy of the weights in memory."""
-    if not all(type(m) is nn.Linear for m in linears) or len({m.weight.dtype for m in linears}) != 1:
-        return None  # e.g. quantized layers: keep them separate
-    weight = torch.cat([m.weight.detach() for m in linears])
-    has_bias = [m.bias is not None for m in linears]
-    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
-    if any(has_bias) and bias is None:
-        return None
-    row = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
-        row += n
-    return weight, bias
-
-
-def fuse_projections(model: nn.Module) -> nn.Module:
-    """Inference only: q/k/v and gate/up matmuls of every layer become one matmul each (fewer kernel
-    launches per step; per-step overhead dominates small models on CPU). Idempotent."""
-    def stale(fused, first: nn.Linear) -> bool:  # weights moved or replaced since the last fusion
-        return fused is None or fused[0].data_ptr() != first.weight.data_ptr()
-
-    for m in model.modules():
-        if isinstance(m, Attention) and stale(getattr(m, "_qkv", None), m.q_proj):
-            m._qkv = _fuse([m.q_proj, m.k_proj, m.v_proj])
-        elif isinstance(m, MLP) and stale(getattr(m, "_gate_up", None), m.gate_proj):
-            m._gate_up = _fuse([m.gate_proj, m.up_proj])
-    return model

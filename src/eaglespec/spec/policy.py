@@ -11,9 +11,10 @@ spec/costs.py) and yields B + sum_S q tokens over B rows, so the policy
 
 - keeps the n best nodes (by q; top-n is ancestor-closed because q never grows along a path) with n
   maximising (B + S_n) / (draft + verify(n + 1)), n = 0 meaning "root only";
-- stops drafting deeper (confidence-based drafting) as soon as even an optimistic next level, whose
-  nodes all had the frontier's best q, could not raise that value: this is a confidence threshold on
-  the frontier that follows from the measured costs instead of being a fixed number;
+- stops drafting deeper (confidence-based drafting) as soon as the next level's expected nodes
+  (frontier q times the conditional probabilities the last level showed) could not raise that value:
+  a confidence threshold on the frontier that follows from the measured costs instead of being a
+  fixed number;
 - picks the drafting width (top-k 1 = chain, 2, 4, ...) per batch size by measured throughput
   (a small bandit that keeps probing the other widths now and then);
 - turns speculation off when measured speculative throughput falls below plain decoding's (plain
@@ -101,13 +102,12 @@ def best_node_count(q_sorted: torch.Tensor, rows: int, draft_seconds: float, cos
     return best_n, best_v
 
 
-def level_pays(value_now: float, tokens_now: float, seconds_now: float, n_now: int, frontier_q_sum: float,
-               new_nodes: int, costs: StepCosts, level_seconds: float, max_nodes: int) -> bool:  # fmt: skip
-    """Could one more drafted level raise the step's tokens per second? Optimistic bound: up to
-    `new_nodes` more nodes per row, each as likely as the frontier's best (frontier_q_sum = sum over
-    rows of each row's best frontier q; children are never likelier than their parent)."""
-    for m in range(1, min(new_nodes, max_nodes - n_now) + 1):
-        v = (tokens_now + m * frontier_q_sum) / (seconds_now + level_seconds + costs.verify_cost(n_now + m + 1))
+def level_pays(value_now: float, tokens_now: float, seconds_now: float, n_now: int, next_gains: torch.Tensor,
+               costs: StepCosts, level_seconds: float, max_nodes: int) -> bool:  # fmt: skip
+    """Could one more drafted level raise the step's tokens per second? next_gains[m-1]: expected
+    tokens (summed over rows) of the m most likely nodes the next level is expected to add."""
+    for m in range(1, min(next_gains.numel(), max_nodes - n_now) + 1):
+        v = (tokens_now + float(next_gains[m - 1])) / (seconds_now + level_seconds + costs.verify_cost(n_now + m + 1))
         if v > value_now * 1.0001:
             return True
     return False
@@ -137,6 +137,7 @@ class Policy:
         self.judge_after, self.probe_every, self.ema = judge_after, probe_every, alpha
         # tokens/s of plain steps: from calibration when there is one, refreshed by measured plain steps
         self.plain_rate = costs.batch / costs.verify_cost(1) if costs is not None else None
+        self.batch = costs.batch if costs is not None else None
         self.rates: dict[int, float | None] = {w: None for w in self.widths}  # measured, per width
         self.tries: dict[int, int] = {w: 0 for w in self.widths}
         self.width = max(self.widths)
@@ -146,6 +147,11 @@ class Policy:
         self.steps = 0
         self.plain_steps = 0
         self.chosen: list[tuple[int, int, int]] = []  # (width, depth, nodes) per speculative step
+        # measured minus calibrated seconds per step (tree building, acceptance, bookkeeping, a busy
+        # machine): an additive term in every expected-rate formula
+        self.overhead_spec = 0.0
+        self.overhead_plain = 0.0
+        self.ratios: list[float] = []  # measured / calibrated step time, to notice a stale calibration
 
     # -- before a step ---------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
@@ -171,18 +177,19 @@ class Policy:
         return max(self.widths, key=lambda w: self.rates[w] or 0.0)
 
     # -- while drafting --------------------------------------------------------------------------
-    def keep_drafting(self, level: int, q: torch.Tensor, frontier_q: torch.Tensor, draft_seconds: float) -> bool:
-        """After `level` drafted levels: q [B, M] candidates so far, frontier_q [B, k]."""
+    def keep_drafting(self, level: int, q: torch.Tensor, next_q: torch.Tensor, draft_seconds: float) -> bool:
+        """After `level` drafted levels: q [B, M] candidates so far; next_q [B, K] the expected q of the
+        nodes the next level would add (frontier q times the last level's conditional probabilities)."""
         if level >= self.max_depth:
             return False
         b = q.shape[0]
         q_sorted = q.sort(dim=-1, descending=True).values
         n, value = best_node_count(q_sorted, b, draft_seconds, self.costs, self.max_nodes)
         tokens = value * (draft_seconds + self.costs.verify_cost(n + 1))
-        k = frontier_q.shape[-1]
-        front = float(frontier_q.max(dim=-1).values.sum())
-        return level_pays(value, tokens, draft_seconds, n, front, k * k, self.costs,
-                          self.costs.draft_cost(k), self.max_nodes)  # fmt: skip
+        gains = next_q.sort(dim=-1, descending=True).values.float().sum(0).cumsum(0).cpu()
+        k = self.width
+        return level_pays(value, tokens, draft_seconds, n, gains, self.costs, self.costs.draft_cost(k),
+                          self.max_nodes)  # fmt: skip
 
     def node_count(self, q: torch.Tensor, draft_seconds: float) -> int:
         q_sorted = q.sort(dim=-1, descending=True).values
@@ -190,13 +197,40 @@ class Policy:
         return n
 
     def draft_seconds(self, levels: int, width: int) -> float:
-        """Predicted drafting time: the extend (about one width-1 forward) plus each tree level."""
-        return self.costs.draft_cost(1) + max(levels - 1, 0) * self.costs.draft_cost(width)
+        """Predicted non-verification time of a speculative step: the extend (about one width-1
+        forward), each tree level, and the measured per-step overhead."""
+        return self.costs.draft_cost(1) + max(levels - 1, 0) * self.costs.draft_cost(width) + self.overhead_spec
+
+    def predicted_seconds(self, shape: tuple[int, int, int] | None) -> float | None:
+        """Calibrated seconds of a step (without the measured overhead); shape None = plain."""
+        if self.costs is None:
+            return None
+        if shape is None:
+            return self.costs.verify_cost(1)
+        width, depth, nodes = shape
+        return self.costs.draft_cost(1) + max(depth - 1, 0) * self.costs.draft_cost(width) + \
+            self.costs.verify_cost(nodes + 1)
+
+    def calibration_suspect(self) -> bool:
+        """True when measured steps are persistently far from the calibration (it was taken on a busy
+        machine, or the machine changed): the engine then recalibrates."""
+        if len(self.ratios) < 16:
+            return False
+        mid = sorted(self.ratios[-32:])[len(self.ratios[-32:]) // 2]
+        return not 0.5 <= mid <= 2.0
 
     # -- after a step ----------------------------------------------------------------------------
     def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None):
         """After a step: `tokens` emitted over all rows in `seconds`; shape = (width, depth, nodes)."""
         rate = tokens / max(seconds, 1e-9)
+        predicted = self.predicted_seconds(shape if speculated else None)
+        if predicted is not None and (shape is not None or not speculated):
+            self.ratios.append(seconds / predicted)
+            extra = max(0.0, seconds - predicted)
+            if speculated:
+                self.overhead_spec = (1 - self.ema) * self.overhead_spec + self.ema * extra
+            else:
+                self.overhead_plain = (1 - self.ema) * self.overhead_plain + self.ema * extra
         if not speculated:
             self.plain_steps += 1
             fresh = self.plain_rate is None or self.streak > 0

@@ -104,6 +104,7 @@ class EagleProposer:
         f_score, f_tok = top.values, d2t[top.indices]  # frontier [B, k]
         f_index = torch.arange(k, device=dev).expand(b, k)  # frontier candidate ids
         f_state = state[:, None].expand(b, k, state.shape[-1])
+        cond = top.values  # [B, k] conditional log-probs of the latest level's best parent's children
         tokens, scores, parents, depths = [f_tok], [f_score], [torch.full((b, k), -1, device=dev)], [1]
         base_host = cache.lengths[:b] if rows is None else cache.lengths[rows.cpu()]
         last_pos = base_host.to(dev)[:, None] - 1  # position of the last committed pair
@@ -114,8 +115,10 @@ class EagleProposer:
         for level in range(1, depth):
             if policy is not None:
                 q = policy.acceptance.eagle_q(torch.cat(scores, 1), _depth_table(scores, depths))
-                front = policy.acceptance.eagle_q(f_score, torch.full_like(f_tok, level + 1))
-                if not policy.keep_drafting(level, q, front, policy.draft_seconds(level, k)):
+                # the next level's children, guessed from the conditional log-probs this level showed
+                guess = (f_score[:, :, None] + cond[:, None, :]).reshape(b, k * k)
+                nxt = policy.acceptance.eagle_q(guess, torch.full_like(guess, level + 1, dtype=torch.long))
+                if not policy.keep_drafting(level, q, nxt, policy.draft_seconds(level, k)):
                     break
             elif log_conf is not None and bool((f_score < log_conf).all()):
                 break
@@ -125,6 +128,8 @@ class EagleProposer:
             cache.commit(rows, torch.full((b,), k))
             levels += 1
             child = out_logits.float().log_softmax(-1).topk(k, dim=-1)
+            best_parent = child.values[:, :, 0].argmax(dim=-1)
+            cond = child.values[torch.arange(b, device=dev), best_parent]
             c_score = (f_score[:, :, None] + child.values).reshape(b, k * k)
             c_tok = d2t[child.indices].reshape(b, k * k)
             tokens.append(c_tok)

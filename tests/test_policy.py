@@ -1,0 +1,242 @@
+"""The cost-aware speculation policy, its calibration cache and the precision choice."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from eaglespec.models.precision import choose_dtype
+from eaglespec.spec import costs as costs_mod
+from eaglespec.spec.costs import StepCosts, cache_key, load_or_calibrate
+from eaglespec.spec.policy import AcceptanceModel, Policy, best_node_count
+from helpers import random_drafter, tiny_target
+
+
+def _costs(a, b, c, draft=0.001, batch=1, grid=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)) -> StepCosts:
+    """verify(n) = a + b n + c n^2 seconds (measured only at the grid points, as calibration does)."""
+    return StepCosts(batch, {n: a + b * n + c * n * n for n in grid}, {k: draft * (1 + 0.1 * k) for k in (1, 2, 4, 8)})
+
+
+def _value(q_sum, rows, seconds):
+    return (rows + q_sum) / seconds
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_node_count_is_the_best_ancestor_closed_subset(seed):
+    """Keeping the top-n nodes by q, for the best n, is as good as the best of *all* ancestor-closed
+    node sets (brute force over every subset of a random 9-node tree)."""
+    rng = random.Random(seed)
+    n = 9
+    parent = [-1] + [rng.randrange(0, i) if i > 1 else 0 for i in range(1, n + 1)]  # node 0 = root
+    q = [1.0] + [0.0] * n
+    for i in range(1, n + 1):  # q never grows along a path (a child is never likelier than its parent)
+        q[i] = q[parent[i]] * rng.uniform(0.2, 0.95)
+    costs = _costs(rng.uniform(2e-3, 5e-3), rng.uniform(1e-5, 4e-4), rng.uniform(0, 2e-5))
+    draft = rng.uniform(5e-4, 3e-3)
+    best = -1.0
+    for mask in itertools.product([0, 1], repeat=n):
+        chosen = {i + 1 for i, m in enumerate(mask) if m}
+        if any(parent[i] != 0 and parent[i] not in chosen for i in chosen):
+            continue  # not ancestor-closed: not a valid tree
+        best = max(best, _value(sum(q[i] for i in chosen), 1, draft + costs.verify_cost(len(chosen) + 1)))
+    q_sorted = torch.tensor(sorted(q[1:], reverse=True))[None]
+    k, v = best_node_count(q_sorted, 1, draft, costs, max_nodes=64)
+    assert v == pytest.approx(best, rel=1e-6)  # float32 sums
+    brute = max(range(n + 1), key=lambda m: _value(float(q_sorted[0, :m].sum()), 1,
+                                                  draft + costs.verify_cost(m + 1)))  # fmt: skip
+    assert k == brute
+
+
+def test_node_count_batches_share_one_count():
+    costs = _costs(3e-3, 2e-4, 0)
+    q = torch.tensor([[0.9, 0.8, 0.1, 0.05], [0.3, 0.2, 0.1, 0.0], [0.95, 0.9, 0.85, 0.8]])
+    k, v = best_node_count(q, 3, 1e-3, costs, 64)
+    values = [_value(float(q[:, :m].sum()), 3, 1e-3 + costs.verify_cost(m + 1)) for m in range(5)]
+    assert k == max(range(5), key=values.__getitem__) and v == pytest.approx(max(values))
+
+
+def _synthetic_step(policy: Policy, probs: list[list[float]], width: int) -> tuple[int, int, float]:
+    """Drive the policy through the proposer's level loop on a synthetic drafter: probs[d][j] is the
+    probability of a node's j-th child at depth d+1. Returns (levels drafted, nodes kept, value)."""
+    f_score = torch.tensor([math.log(p) for p in probs[0][:width]])[None]
+    scores, depths = [f_score], [torch.ones_like(f_score, dtype=torch.long)]
+    levels, cond = 1, torch.tensor([math.log(p) for p in probs[0][:width]])
+    for level in range(1, policy.max_depth):
+        q = policy.acceptance.eagle_q(torch.cat(scores, 1), torch.cat(depths, 1))
+        guess = (f_score[:, :, None] + cond[None, None]).reshape(1, -1)  # as the proposer guesses
+        nxt = policy.acceptance.eagle_q(guess, torch.full(guess.shape, level + 1))
+        if not policy.keep_drafting(level, q, nxt, policy.draft_seconds(level, width)):
+            break
+        child = torch.tensor([math.log(p) for p in probs[level][:width]])
+        c = (f_score[:, :, None] + child[None, None]).reshape(1, -1)
+        scores.append(c)
+        depths.append(torch.full(c.shape, level + 1))
+        f_score = c.topk(width, dim=-1).values
+        levels, cond = levels + 1, child
+    q = policy.acceptance.eagle_q(torch.cat(scores, 1), torch.cat(depths, 1))
+    n = policy.node_count(q, policy.draft_seconds(levels, width))
+    total = float(q.sort(descending=True).values[0, :n].sum())
+    return levels, n, (1 + total) / (policy.draft_seconds(levels, width) + policy.costs.verify_cost(n + 1))
+
+
+def _brute_force(policy: Policy, probs, width) -> float:
+    best = 0.0
+    for levels in range(1, policy.max_depth + 1):
+        f_score = torch.tensor([math.log(p) for p in probs[0][:width]])[None]
+        scores = [f_score]
+        for level in range(1, levels):
+            child = torch.tensor([math.log(p) for p in probs[level][:width]])
+            c = (f_score[:, :, None] + child[None, None]).reshape(1, -1)
+            scores.append(c)
+            f_score = c.topk(width, dim=-1).values
+        q_sorted = torch.cat(scores, 1).exp().sort(descending=True).values
+        _, v = best_node_count(q_sorted, 1, policy.draft_seconds(levels, width), policy.costs, policy.max_nodes)
+        best = max(best, v)
+    return best
+
+
+@pytest.mark.parametrize("conf", [0.9, 0.75, 0.5])
+@pytest.mark.parametrize("cost_kind", ["cheap_verify", "linear", "steep"])
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_depth_and_nodes_near_brute_force(conf, cost_kind, width):
+    """Stopping the drafting by the policy's confidence bound and then picking the node count reaches
+    (within 3%) the best tokens/s over every depth and node count, for chains and trees."""
+    costs = {"cheap_verify": _costs(4e-3, 2e-5, 0, draft=4e-4), "linear": _costs(4e-3, 3e-4, 0, draft=8e-4),
+             "steep": _costs(4e-3, 5e-4, 3e-5, draft=1.5e-3)}[cost_kind]  # fmt: skip
+    probs = [[conf * 0.97**d] + [(1 - conf) * 0.5**j for j in range(1, 8)] for d in range(8)]
+    policy = Policy(costs, widths=(width,), max_depth=8, max_nodes=64)
+    levels, n, value = _synthetic_step(policy, probs, width)
+    best = _brute_force(policy, probs, width)
+    assert value >= 0.97 * best, (levels, n, value, best)
+    if cost_kind == "cheap_verify" and conf >= 0.75:
+        assert levels >= 4 and n >= levels  # confident drafter, cheap checks: deep speculation
+
+
+def test_nothing_pays_means_root_only_and_off():
+    """Expensive drafting and verification with a hopeless drafter: no node is worth verifying, and
+    measured speculative steps slower than plain ones turn speculation off, then probe again."""
+    costs = _costs(4e-3, 4e-3, 0, draft=3e-3)
+    policy = Policy(costs, widths=(4,), max_depth=6)
+    q = torch.full((1, 4), 0.05)
+    assert policy.node_count(q, policy.draft_seconds(1, 4)) == 0
+    assert not policy.keep_drafting(1, q, torch.full((1, 16), 0.01), policy.draft_seconds(1, 4))
+    plain_rate = policy.plain_rate
+    for _ in range(policy.judge_after):  # three speculative steps at half the plain rate
+        assert policy.plan() is not None
+        policy.observe(True, 1, 2.0 / plain_rate, (4, 1, 1))
+    plans = [policy.plan() for _ in range(policy.backoff // 2)]
+    assert plans == [None] * len(plans)  # plain steps for the back-off period
+    for _ in range(10):
+        if policy.plan() is not None:
+            break
+        policy.observe(False, 1, 1.0 / plain_rate)
+    else:
+        pytest.fail("the policy never probed speculation again")
+
+
+def test_fixed_shape_policy_measures_plain_then_keeps_paying_speculation():
+    policy = Policy(None, widths=(3,))
+    assert policy.plain_rate is None
+    seq = []
+    for _ in range(8):
+        plan = policy.plan()
+        seq.append(plan is not None)
+        policy.observe(plan is not None, 3 if plan else 1, 0.01)  # speculation: 300 tok/s, plain 100
+    assert seq[:3] == [True] * 3 and seq[3:5] == [False, False] and all(seq[5:])
+    forced = Policy(None, widths=(3,), adaptive=False)
+    for _ in range(6):
+        assert forced.plan() is not None
+        forced.observe(True, 1, 1.0)
+
+
+def test_acceptance_model_calibrates_confidence():
+    m = AcceptanceModel(max_depth=4)
+    for _ in range(200):  # the drafter says 0.8 at depth 1 but is right half the time
+        m.observe_eagle([0, 0.8, 0], [0, 0.5, 0])
+    q = m.eagle_q(torch.tensor([[math.log(0.8)]]), torch.tensor([[1]]))
+    assert float(q) == pytest.approx(0.5, abs=0.02)
+    for _ in range(200):
+        m.observe_ngram([0, 10, 8, 0], [0, 6, 2, 0])
+    assert m.ngram_q(2) == pytest.approx([0.6, 0.25], abs=0.03)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, _, _ = tiny_target(tmp_path_factory.mktemp("pol"), "llama")
+    return target, random_drafter(target)
+
+
+def test_calibration_cache_reused_keyed_and_rebuilt(pair, tmp_path, monkeypatch):
+    target, drafter = pair
+    path = tmp_path / "calibration.json"
+    first = load_or_calibrate(target, drafter, 1, path=path)
+    assert 1 in first.verify and max(first.verify) == 64 and set(first.draft) == {1, 2, 4, 8}
+    calls = []
+    real = costs_mod.calibrate
+    monkeypatch.setattr(costs_mod, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert load_or_calibrate(target, drafter, 1, path=path).verify == first.verify and not calls  # cached
+    load_or_calibrate(target, drafter, 2, path=path)  # another batch size: measured
+    assert len(calls) == 1
+    other, _, _ = tiny_target(tmp_path, "llama", layers=2)  # another model: another key
+    assert cache_key(other, drafter, 1) != cache_key(target, drafter, 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # another thread count (the machine's speed): another key
+        assert cache_key(target, drafter, 1) != cache_key(target, drafter, 2)
+        key1 = cache_key(target, drafter, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert key1 != cache_key(target, drafter, 1)
+    path.write_text("{not json")  # corrupt file: ignored with a warning, rebuilt
+    with pytest.warns(UserWarning, match="ignoring unreadable calibration cache"):
+        load_or_calibrate(target, drafter, 1, path=path)
+    assert cache_key(target, drafter, 1) in json.loads(path.read_text())
+    raw = json.loads(path.read_text())
+    raw[cache_key(target, drafter, 1)] = {"batch": 1, "verify": {"1": -1.0}, "draft": {}}  # corrupt entry
+    path.write_text(json.dumps(raw))
+    with pytest.warns(UserWarning, match="corrupt calibration entry"):
+        fixed = load_or_calibrate(target, drafter, 1, path=path)
+    assert min(fixed.verify.values()) > 0
+
+
+def test_suspect_calibration_is_noticed():
+    costs = _costs(4e-3, 1e-4, 0)
+    policy = Policy(costs, widths=(2,))
+    for _ in range(20):
+        policy.observe(False, 1, 20 * costs.verify_cost(1))  # 20x slower than calibrated
+    assert policy.calibration_suspect()
+    fresh = Policy(costs, widths=(2,))
+    for _ in range(20):
+        fresh.observe(False, 1, 1.1 * costs.verify_cost(1))
+    assert not fresh.calibration_suspect()
+
+
+def test_precision_choice_and_errors(monkeypatch):
+    dims = {"hidden": 64, "intermediate": 128, "vocab": 96}
+    with pytest.raises(ValueError, match="fp16 is not supported on CPU"):
+        choose_dtype("cpu", "fp16", **dims)
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_dtype("cpu", "int3", **dims)
+    assert choose_dtype("cpu", "bf16", **dims) == ("bf16", "requested")
+    from eaglespec.models import precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only EPYC
+    dtype, why = choose_dtype("cpu", "auto", **dims)
+    assert dtype == "fp32" and "no native bf16" in why
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    dtype, why = choose_dtype("cpu", "auto", **dims)
+    assert dtype in ("fp32", "bf16") and "measured" in why
+
+
+def test_unsupported_device_is_a_clear_error():
+    from eaglespec.api import default_models_dir, load_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        load_engine(default_models_dir() / "target", None, device="cuda")
