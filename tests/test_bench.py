@@ -221,7 +221,8 @@ def test_auto_saves_settings_that_generate_uses(toy, tmp_path, monkeypatch, caps
     gen = ["generate", "--target", target, "--draft", draft, "--prompt", "def f():", "--max-new-tokens", "3",
            "--no-stream"]  # fmt: skip
     assert main(gen) == 0
-    assert "mode=auto (cost-aware policy: chain or tree, depth <= 8, nodes per step) (defaults)" in capsys.readouterr().err
+    assert "mode=auto (cost-aware policy: chain or tree, depth <= 8, nodes per step) (defaults)" in \
+        capsys.readouterr().err
     assert main(["bench", "--target", target, "--draft", draft, "--auto", "--limit", "1", "--categories", "chat",
                  "--max-new-tokens", "4", "--grid", "depth=2;topk=2;tokens=3;chain=2", "--out",
                  str(tmp_path / "a")]) == 0  # fmt: skip

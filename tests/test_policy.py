@@ -223,12 +223,12 @@ def test_precision_choice_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         choose_dtype("cpu", "int3", **dims)
     assert choose_dtype("cpu", "bf16", **dims) == ("bf16", "requested")
-    from eaglespec.models import precision
+    from eaglespec import machine
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only EPYC
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only EPYC
     dtype, why = choose_dtype("cpu", "auto", **dims)
     assert dtype == "fp32" and "no native bf16" in why
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     dtype, why = choose_dtype("cpu", "auto", **dims)
     assert dtype in ("fp32", "bf16") and "measured" in why
 

@@ -124,7 +124,8 @@ def cmd_generate(args) -> int:
         print()
     print(summary, file=sys.stderr if args.json else sys.stdout)
     if engine.policy is not None:
-        print(f"[eaglespec] policy: {_policy_line(engine.policy.summary())}", file=sys.stderr if args.json else sys.stdout)
+        where = sys.stderr if args.json else sys.stdout
+        print(f"[eaglespec] policy: {_policy_line(engine.policy.summary())}", file=where)
     return 0
 
 

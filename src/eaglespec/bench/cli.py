@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--categories", help="comma-separated suites (default: all; sweeps: chat,code)")
     p.add_argument("--limit", help="first N prompts per category, or 'all' (default: 4; sweeps 2; context 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--methods", help="plain,chain,tree,hf_generate,hf_assisted,prompt_lookup (default: all)")
+    p.add_argument("--methods", help="plain,auto,chain,tree,hf_generate,hf_assisted,prompt_lookup (default: all); "
+                   "also llamacpp_plain,llamacpp_eagle3 (after scripts/llamacpp/build.sh)")
     p.add_argument("--batch-size", type=int, default=1, help="our methods' batch size (peers run at 1)")
     p.add_argument("--out", default="runs/bench", help="output folder for JSON, Markdown and PNG files")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the lossless check needs 0)")
@@ -34,11 +35,18 @@ def add_parser(sub) -> None:
     p.add_argument("--tree-tokens", type=int, default=16)
     p.add_argument("--chain-k", type=int, default=4)
     p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
     p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
+    p.add_argument("--synthetic-acceptance", metavar="P1,P2,...",
+                   help="cost benchmark: chain/tree accept by this per-position profile (share of drafts "
+                   "with >= i accepted tokens, non-increasing, in [0, 1]) instead of by the target; "
+                   "their rows are not lossless")  # fmt: skip
+    p.add_argument("--shape", help="built-in random-weight target + drafter instead of --target/--draft: "
+                   "qwen2-365m or llama-3.2-1b (bench/shapes.py; random token-id prompts)")  # fmt: skip
+    p.add_argument("--prompt-len", type=int, default=128, help="--shape: tokens per random prompt (default 128)")
     p.add_argument("--auto", action="store_true",
                    help="quick shape sweep; save the best per drafter for `eaglespec generate` (see bench/tuned.py)")
     p.set_defaults(func=cmd_bench)
@@ -61,6 +69,40 @@ def resolve(args) -> tuple[Path, list[Path]]:
     return target, drafts
 
 
+def parse_profile(text: str | None) -> list[float] | None:
+    """'0.9,0.8' -> [0.9, 0.8], checked by spec/synthetic.check_profile; None when not given."""
+    if text is None:
+        return None
+    from ..spec.synthetic import check_profile
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--synthetic-acceptance takes comma-separated numbers, got {text!r}") from None
+    return check_profile(values)
+
+
+def check_shape_args(args, kinds: list[str], profile) -> list[str]:
+    """Errors for combinations the shape/synthetic modes do not support; the methods a --shape run measures."""
+    from .methods import OUR_KINDS
+
+    if (args.shape or profile) and (args.sweep or args.auto):
+        raise ValueError("--shape and --synthetic-acceptance make a plain report; they cannot be used with "
+                         "--sweep or --auto (--auto would save settings tuned on fake acceptance)")  # fmt: skip
+    if not args.shape:
+        return kinds
+    if args.target or args.draft or args.drafts:
+        raise ValueError("--shape replaces --target/--draft/--drafts; give one or the other")
+    if args.prompt_len < 1:
+        raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.methods is None:
+        return ["plain", "chain", "tree"]
+    other = [k for k in kinds if k not in OUR_KINDS]
+    if other:
+        raise ValueError(f"--shape has no tokenizer or stop ids for peers {other}; use --methods plain,chain,tree")
+    return kinds if "plain" in kinds else ["plain", *kinds]  # plain is the baseline of every speedup
+
+
 def parse_limit(text: str | None, default: int | None) -> int | None:
     if text is None:
         return default
@@ -75,7 +117,9 @@ def cmd_bench(args) -> int:
     from ..sampling import SamplingParams
     from ..spec.proposer import TreeShape
     from . import report as rep
-    from .methods import build_methods, load_models, parse_kinds
+    from .hardware import bandwidth_reference
+    from .methods import build_methods, load_models, parse_kinds, use_synthetic_acceptance
+    from .metrics import add_bandwidth_share
     from .runner import RunConfig, describe_mismatches, run_bench
     from .suites import load_prompts, parse_categories
 
@@ -91,8 +135,16 @@ def cmd_bench(args) -> int:
         raise ValueError("--auto runs a shape sweep; it cannot be combined with --sweep batch/context")
     sweep = "tree" if args.auto else args.sweep
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    target, drafts = resolve(args)
-    kinds = parse_kinds(args.methods)
+    profile = parse_profile(args.synthetic_acceptance)
+    kinds = check_shape_args(args, parse_kinds(args.methods), profile)
+    log = lambda msg: print(msg, file=sys.stderr)
+    if args.shape:
+        from .shapes import ensure_shape
+
+        target, drafts = ensure_shape(args.shape, log=log)
+        drafts = [drafts]
+    else:
+        target, drafts = resolve(args)
     if args.methods is None and not drafts:
         kinds = [k for k in kinds if k not in ("chain", "tree")]
         print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
@@ -103,15 +155,28 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     from_shell = sys.argv[0].endswith("eaglespec")
     command = "eaglespec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if from_shell else None
-    log = lambda msg: print(msg, file=sys.stderr)
     max_len = models.target.cfg.max_position_embeddings
 
     if sweep is None:
-        prompts, skipped = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 4),
-                                        max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip
+        if args.shape:
+            from .shapes import describe, random_prompts
+
+            if args.prompt_len + args.max_new_tokens > max_len:
+                raise ValueError(f"--prompt-len + --max-new-tokens exceeds the {args.shape} context {max_len}")
+            count = parse_limit(args.limit, 4) or 4
+            prompts, skipped = random_prompts(models.target.cfg.vocab_size, count, args.prompt_len, args.seed), []
+        else:
+            prompts, skipped = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 4),
+                                            max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip
         methods = build_methods(kinds, models, tree=tree, chain_k=args.chain_k, adaptive=not args.no_adaptive)
+        if profile:
+            use_synthetic_acceptance(methods, profile)
+        memory = bandwidth_reference()  # measured once per machine and thread count, then cached
         report = run_bench(methods, prompts, cfg, log)
-        report.update(target=str(target), drafts=[str(d) for d in drafts], skipped=skipped, command=command)
+        add_bandwidth_share(report["results"], memory["read_gb_s"])
+        report.update(target=str(target), drafts=[str(d) for d in drafts], skipped=skipped, command=command,
+                      memory_bandwidth=memory, synthetic_acceptance=profile,
+                      shape=describe(args.shape) if args.shape else None)  # fmt: skip
         files = rep.write_bench(report, out)
         print(rep.bench_markdown(report))
         print(f"[bench] wrote {', '.join(str(f) for f in files)}", file=sys.stderr)

@@ -206,7 +206,8 @@ def engine_methods(models: Models, kinds: list[str], *, tree: TreeShape, chain_k
                    adaptive: bool = True) -> list[Method]:  # fmt: skip
     """plain, then chain and tree per drafter, as requested in `kinds`."""
     if any(k in SPEC_KINDS for k in kinds) and not models.drafters:
-        raise ValueError("auto/chain/tree methods need a drafter: pass --draft DIR (or --methods plain,hf_generate,...)")
+        raise ValueError("auto/chain/tree methods need a drafter: pass --draft DIR "
+                         "(or --methods plain,hf_generate,...)")
     methods: list[Method] = [plain_method(models)] if "plain" in kinds else []
     for label, path, drafter in models.drafters:
         for kind in SPEC_KINDS:

@@ -6,7 +6,8 @@ Definitions (the JSON keeps full precision; tables round):
                  verification forward, which equals 1 + accepted / rounds for assisted decoding)
   speedup        tokens_per_s / plain's tokens_per_s on the same prompts; efficiency = speedup / tau
   latency        per request (admission to finish) p50/p90/p99; per-token = request latency / its tokens
-  bandwidth      bytes of target weights read per forward x target forwards / wall (gpt-fast style)
+  bandwidth      bytes of target weights read per forward x target forwards / wall (gpt-fast style);
+                 bandwidth_pct = that as a percentage of the machine's measured read bandwidth (hardware.py)
   peak_rss_mb    the process's resident-set high-water mark during this run (VmHWM, reset before the run
                  through /proc/self/clear_refs); it includes everything resident (all loaded models).
                  rss_increase_mb = peak - RSS at the start of the run: this method's working memory
@@ -140,3 +141,9 @@ def add_speedups(rows: list[dict], baseline: str = "plain") -> None:
         if b:
             r["speedup"] = r["tokens_per_s"] / b
             r["efficiency"] = r["speedup"] / r["tau"] if r["tau"] else None
+
+
+def add_bandwidth_share(rows: list[dict], read_gb_s: float) -> None:
+    """bandwidth_pct = achieved weight bandwidth as a percentage of the measured memory read bandwidth."""
+    for r in rows:
+        r["bandwidth_pct"] = 100.0 * r["bandwidth_gb_s"] / read_gb_s if read_gb_s > 0 else None

@@ -43,6 +43,9 @@ def summary_table(rows: list[dict]) -> str:
     total = [r for r in rows if r["category"] == "all"]
     headers = ["method", "tok/s", "speedup", "tau", "efficiency", "accept@1..4", "latency p50/p90/p99 s",
                "ms/token p50", "draft/verify/other s", "peak RSS MB", "+RSS MB", "weights GB/s"]  # fmt: skip
+    share = any(r.get("bandwidth_pct") is not None for r in total)  # only when the bench measured the machine
+    if share:
+        headers.append("% of mem BW")
     body = []
     for r in total:
         pos = r["per_position_acceptance"]
@@ -54,8 +57,35 @@ def summary_table(rows: list[dict]) -> str:
             acc, "/".join(fmt(lat[k]) for k in ("p50", "p90", "p99")), fmt(r["per_token_latency_ms"]["p50"], 1),
             "-" if split is None else "/".join(fmt(split[k]) for k in ("draft", "verify", "other")),
             fmt(r["peak_rss_mb"], 0), fmt(r["rss_increase_mb"], 0), fmt(r["bandwidth_gb_s"], 2),
-        ])  # fmt: skip
+        ] + ([fmt(r.get("bandwidth_pct"), 1, "%")] if share else []))  # fmt: skip
     return table(headers, body)
+
+
+def method_line(m: dict) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in m["settings"].items()) or "no settings"
+    note = "" if m.get("lossless", True) else " (**not lossless**)"
+    if "synthetic_acceptance" in m["settings"]:
+        note = " (**synthetic acceptance, not lossless**)"
+    return f"- `{m['name']}`{note}: {settings}"
+
+
+def reference_lines(report: dict) -> list[str]:
+    """The measured memory bandwidth and the synthetic-acceptance note, when the run has them."""
+    lines = []
+    shape = report.get("shape")
+    if shape:
+        lines.append(f"Target: built-in shape `{shape['name']}` ({shape['note']}, {shape['params'] / 1e6:.1f}M "
+                     f"parameters, draft vocabulary {shape['draft_vocab']}), {shape['weights']}; prompts are "
+                     "random token ids.")  # fmt: skip
+    bw = report.get("memory_bandwidth")
+    if bw:
+        lines.append(f"Memory read bandwidth: {bw['read_gb_s']:.1f} GB/s measured on this machine ({bw['method']}); "
+                     "`% of mem BW` = achieved target-weight bandwidth / this.")  # fmt: skip
+    if report.get("synthetic_acceptance"):
+        lines.append(f"Synthetic acceptance {report['synthetic_acceptance']} (per position): speculative rows accept "
+                     "by this profile, not by the target - synthetic acceptance, not lossless, left out of the "
+                     "lossless check; their tokens/s is the cost at that acceptance.")  # fmt: skip
+    return lines
 
 
 def matrix(rows: list[dict], key: str, digits: int = 2) -> str:
@@ -77,10 +107,10 @@ def bench_markdown(report: dict) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}, torch threads: {env['threads']}, {env['cpu']}.",
         "",
         *lossless_lines(report["lossless_check"]),
+        *reference_lines(report),
         "",
         "Methods:",
-        *(f"- `{m['name']}`: " + (", ".join(f"{k}={v}" for k, v in m["settings"].items()) or "no settings")
-          for m in report["methods"]),
+        *(method_line(m) for m in report["methods"]),
         "",
         "## All categories",
         "",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import machine
 from ..sampling import SamplingParams
 from .methods import Method
 from .metrics import Measurement, PeakRSS, add_speedups, combine, summarize
@@ -123,13 +124,7 @@ def describe_mismatches(check: dict, limit: int = 20) -> list[str]:
 
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"{machine.cpu_name()} ({os.cpu_count()} logical CPUs)"
 
 
 def environment() -> dict:

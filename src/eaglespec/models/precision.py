@@ -20,18 +20,11 @@ from pathlib import Path
 
 import torch
 
+from .. import machine
+from ..machine import cache_dir, cpu_name
+
 CHOICES = ("auto", "fp32", "bf16", "fp16")
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _time_linear(w: torch.Tensor, m: int, repeats: int = 30) -> float:
@@ -58,8 +51,6 @@ def measure_cpu(hidden: int, intermediate: int, vocab: int) -> dict:
 
 
 def _cache_path() -> Path:
-    from ..spec.costs import cache_dir
-
     return cache_dir() / "precision.json"
 
 
@@ -80,11 +71,11 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
         return "fp16", "CUDA without bf16 support"
     if dev.type != "cpu":
         return "fp32", f"device {dev.type}: fp32 (no measurement for this device)"
-    flags = cpu_flags()
+    flags = machine.cpu_flags()
     native = [f for f in _NATIVE_BF16_FLAGS if f in flags]
     if not native:
         return "fp32", "CPU has no native bf16 (no AMX or AVX-512 BF16): fp32"
-    key = f"{_cpu_key()}|{torch.get_num_threads()}|{torch.__version__}|{hidden}x{intermediate}x{vocab}"
+    key = f"{cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|{hidden}x{intermediate}x{vocab}"
     path = _cache_path()
     try:
         cached = json.loads(path.read_text()) if path.is_file() else {}
@@ -108,9 +99,3 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
     detail = (f"{'+'.join(native)}; measured on the model's shapes, 1 / 17 tokens: fp32 {f32 * 1e3:.2f} / "
               f"{f32_17 * 1e3:.2f} ms, bf16 {b16 * 1e3:.2f} / {b16_17 * 1e3:.2f} ms")  # fmt: skip
     return choice, detail
-
-
-def _cpu_key() -> str:
-    from ..spec.costs import cpu_name
-
-    return cpu_name()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..machine import cache_dir, cpu_name
 
 VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
@@ -74,20 +75,6 @@ def _interpolate(table: dict[int, float], x: int) -> float:
 
 
 # -- cache ---------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _model_signature(model) -> dict:
     params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()
               if not n.startswith("_target_embed")]  # the drafter's view of the target's embedding

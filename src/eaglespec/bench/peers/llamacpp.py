@@ -1,0 +1,269 @@
+"""llama.cpp as a bench peer: plain greedy decoding and EAGLE-3 (`--spec-type draft-eagle3`), same prompts.
+
+One llama-server per method, started when the method is built (model loading stays out of every measured
+run) and stopped at exit. Its /completion endpoint takes the prompt as token ids (tokenization is ours,
+identical by construction) and returns the generated token ids, so the bench's lossless check compares
+them with plain -- at fp32 only: in bf16/fp16 the two implementations round differently, so those rows
+are marked not lossless (left out of the check) rather than reported as mismatches. Greedy = samplers
+[top_k] with top_k 1; no prompt cache between requests; one slot; weights and KV cache in the bench dtype.
+
+Time: the row's tokens/s is the bench's wall clock over the HTTP round trips (prefill + decode, like our
+methods' wall). llama.cpp's own clock (prompt eval and decode ms, decode tokens/s) and its draft counts
+(draft tokens, accepted, verification steps, from /metrics) are kept per run call in method.timings and
+summed over every call but the first (the runner's warm-up) into settings["llamacpp_clock"].
+EAGLE-3 rows carry llama.cpp's draft counts and per-position accepted counts as stats, so tau = 1 +
+accepted / verification steps (vLLM's definition, as for ours); their time split is prefill = llama.cpp's
+prompt eval, other = its whole decode (drafting and verification are not timed apart).
+llama.cpp stops at any end-of-generation token of its vocabulary (it adds <|endoftext|>-like tokens);
+outputs are cut after our first stop id, so a difference there shows up as a length difference, not a
+mismatch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ...stats import SpecStats
+from ..methods import Method, MethodRun
+
+KINDS = ("llamacpp_plain", "llamacpp_eagle3")
+SERVER = "llama-server"
+BUILD_HINT = "run scripts/llamacpp/build.sh (builds llama.cpp once, ~10 min on 2 cores)"
+OUTTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # bench dtype -> GGUF weights and KV cache type
+STARTUP_TIMEOUT_S = 300
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
+
+
+def llamacpp_root() -> Path:
+    env = os.environ.get("EAGLESPEC_LLAMACPP")
+    return Path(env) if env else Path.home() / ".cache" / "eaglespec" / "llama.cpp"
+
+
+def not_built_reason(root: Path | None = None) -> str | None:
+    """None when the server binary and the converter are there, else why not (with the fix)."""
+    root = root or llamacpp_root()
+    missing = [p for p in (root / "build" / "bin" / SERVER, root / "src" / "convert_hf_to_gguf.py") if not p.is_file()]
+    if missing:
+        return f"llama.cpp is not built ({', '.join(str(p) for p in missing)} missing): {BUILD_HINT}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with _OPENER.open(req, timeout=timeout) as r:
+        return r.read()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text from /metrics -> {'n_decode_total': 7.0, '..._per_pos_total{position="0"}': 1.0, ...}."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:") and " " in line:
+            name, value = line[len("llamacpp:") :].split(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class Server:
+    """A llama-server child process on a free localhost port; stderr/stdout go to a log file."""
+
+    def __init__(self, binary: Path, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([str(binary), *args, "--host", "127.0.0.1", "--port", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        atexit.register(self.stop)
+        self.wait_ready()
+
+    def log_tail(self, n: int = 15) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if json.loads(http(self.url + "/health", timeout=5)).get("status") == "ok":
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass  # still loading (503) or not listening yet
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"llama-server not ready after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(http(self.url + "/metrics", timeout=30).decode())
+
+    def complete(self, ids: list[int], max_new_tokens: int) -> dict:
+        body = {"prompt": ids, "n_predict": max_new_tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0.0,
+                "cache_prompt": False, "return_tokens": True, "stream": False}  # fmt: skip
+        return json.loads(http(self.url + "/completion", body))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def cut_at_stop(tokens: list[int], stop_ids) -> list[int]:
+    """Our engine's convention: the output ends with (and includes) the first stop id."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+class LlamaCppMethod(Method):
+    def __init__(self, name: str, kind: str, server: Server, stop_ids, settings: dict, weight_bytes: int,
+                 resident_bytes: int):  # fmt: skip
+        super().__init__(name, kind, settings, weight_bytes, resident_bytes, lossless=settings["outtype"] == "f32")
+        self.server, self.stop_ids = server, tuple(stop_ids)
+        self.timings: list[dict] = []  # one entry per run call
+
+    def run(self, prompts, max_new_tokens, params, batch_size):
+        if not params.greedy:
+            raise ValueError(f"{self.name}: only greedy decoding is wired (temperature 0)")
+        before = self.server.metrics()
+        outputs, latencies, prompt_ms, decode_ms, decode_n, prompt_n = [], [], 0.0, 0.0, 0, 0
+        for ids in prompts:
+            t0 = time.perf_counter()
+            res = self.server.complete(list(ids), max_new_tokens)
+            latencies.append(time.perf_counter() - t0)
+            if res.get("tokens_evaluated", len(ids)) != len(ids):
+                raise RuntimeError(f"{self.name}: llama.cpp evaluated {res['tokens_evaluated']} prompt tokens, "
+                                   f"we sent {len(ids)} (it must not add BOS or re-tokenize)")  # fmt: skip
+            outputs.append(cut_at_stop(list(res["tokens"]), self.stop_ids))
+            t = res.get("timings", {})
+            prompt_ms, decode_ms = prompt_ms + t.get("prompt_ms", 0.0), decode_ms + t.get("predicted_ms", 0.0)
+            prompt_n, decode_n = prompt_n + t.get("prompt_n", 0), decode_n + t.get("predicted_n", 0)
+        delta = {k: v - before.get(k, 0.0) for k, v in self.server.metrics().items()}
+        forwards = int(delta.get("n_decode_total", 0))
+        wall, new = sum(latencies), sum(len(o) for o in outputs)
+        entry = {"call": len(self.timings), "prompts": len(prompts), "prompt_tokens": prompt_n,
+                 "prompt_ms": prompt_ms, "decode_tokens": decode_n, "decode_ms": decode_ms,
+                 "decode_tokens_per_s": decode_n / decode_ms * 1e3 if decode_ms else None,
+                 "wall_s": wall, "wall_tokens_per_s": new / wall if wall else None,
+                 "target_decodes": forwards}  # fmt: skip
+        stats = None
+        if self.kind == "llamacpp_eagle3":
+            stats = SpecStats(drafts=int(delta.get("spec_decode_num_drafts_total", 0)),
+                              draft_tokens=int(delta.get("spec_decode_num_draft_tokens_total", 0)),
+                              accepted=int(delta.get("spec_decode_num_accepted_tokens_total", 0)),
+                              target_forwards=forwards, prompt_tokens=prompt_n, new_tokens=new,
+                              time_prefill=prompt_ms / 1e3, time_other=decode_ms / 1e3, wall_time=wall,
+                              accepted_per_pos=accepted_per_position(delta))  # fmt: skip
+            entry.update(draft_tokens=stats.draft_tokens, accepted=stats.accepted, verify_steps=stats.drafts,
+                         acceptance_rate=stats.acceptance_rate, tau=stats.tau)  # fmt: skip
+        self.timings.append(entry)
+        self.settings["llamacpp_clock"] = clock_summary(self.timings[1:] or self.timings)
+        extra = f", acceptance {entry['acceptance_rate']:.3f}, tau {entry['tau']:.2f}" if stats else ""
+        print(f"[llamacpp] {self.name}: {new} tokens, decode {entry['decode_tokens_per_s'] or 0:.1f} tok/s "
+              f"(llama.cpp clock), wall {entry['wall_tokens_per_s'] or 0:.1f} tok/s{extra}",
+              file=sys.stderr)  # fmt: skip
+        return MethodRun(outputs, latencies, forwards, stats)
+
+
+def rate(n: float, ms: float) -> float | None:
+    return round(n / ms * 1e3, 1) if ms else None
+
+
+def clock_summary(entries: list[dict]) -> dict:
+    """llama.cpp's own clock summed over run calls, rounded for the report."""
+    keys = ("prompt_tokens", "prompt_ms", "decode_tokens", "decode_ms", "draft_tokens", "accepted")
+    t = {k: sum(e.get(k) or 0 for e in entries) for k in keys}
+    out = {"calls": len(entries), "decode_tokens": t["decode_tokens"], "decode_s": round(t["decode_ms"] / 1e3, 4),
+           "decode_tokens_per_s": rate(t["decode_tokens"], t["decode_ms"]),
+           "prompt_tokens_per_s": rate(t["prompt_tokens"], t["prompt_ms"])}  # fmt: skip
+    if t["draft_tokens"]:
+        out["acceptance_rate"] = round(t["accepted"] / t["draft_tokens"], 4)
+    return out
+
+
+def accepted_per_position(metrics: dict[str, float]) -> list[int]:
+    """Drafts with >= i+1 accepted tokens, i = 0.. (llama.cpp's spec_decode_num_accepted_tokens_per_pos_total)."""
+    prefix = 'spec_decode_num_accepted_tokens_per_pos_total{position="'
+    by_pos = {int(k[len(prefix) : -2]): int(v) for k, v in metrics.items() if k.startswith(prefix)}
+    return [by_pos.get(i, 0) for i in range(max(by_pos) + 1)] if by_pos else []
+
+
+def server_args(gguf: Path, threads: int, kv: str) -> list[str]:
+    # the target's full context (small for the bundled models); KV cache in the weights' type (f32 at fp32, as ours)
+    return ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "0", "-ctk", kv, "-ctv", kv,
+            "--metrics", "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]  # fmt: skip
+
+
+def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dtype: str = "fp32",
+                     chain_k: int = 4) -> list[Method]:  # fmt: skip
+    """The requested llama.cpp methods; [] with a printed reason when llama.cpp is not built.
+    drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason."""
+    from .llamacpp_convert import UnsupportedDrafter, check_drafter_supported, convert_drafter, convert_target
+
+    if not kinds:
+        return []
+    root = llamacpp_root()
+    reason = not_built_reason(root)
+    if reason:
+        print(f"[bench] skipping {', '.join(kinds)}: {reason}", file=sys.stderr)
+        return []
+    if dtype not in OUTTYPE:
+        raise ValueError(f"llama.cpp peer: no GGUF type for dtype {dtype!r} (choose from {', '.join(OUTTYPE)})")
+    outtype = kv = OUTTYPE[dtype]
+    target_gguf = convert_target(root, target_dir, outtype)
+    binary, logs = root / "build" / "bin" / SERVER, root / "logs"
+    base = {"engine": "llama.cpp llama-server", "gguf": str(target_gguf), "outtype": outtype, "threads": threads,
+            "kv_cache": kv, "sampling": "greedy (top_k=1)", "time_source": "tokens_per_s: bench wall clock per "
+            "HTTP request (prefill + decode); llama.cpp's own clock (warm-up excluded) in llamacpp_clock",
+            "lossless_check": "yes" if dtype == "fp32" else f"no: {dtype} rounding differs from ours"}  # fmt: skip
+    size = target_gguf.stat().st_size
+    out: list[Method] = []
+    if "llamacpp_plain" in kinds:
+        server = Server(binary, server_args(target_gguf, threads, kv), logs / "llamacpp_plain.log")
+        out.append(LlamaCppMethod("llamacpp_plain", "llamacpp_plain", server, stop_ids, dict(base), size, size))
+    if "llamacpp_eagle3" in kinds:
+        usable = []
+        for label, path in drafters:
+            try:
+                check_drafter_supported(path)
+                usable.append((label, Path(path)))
+            except UnsupportedDrafter as e:
+                print(f"[bench] skipping llamacpp_eagle3 for {label}: {e}", file=sys.stderr)
+        if not usable:
+            print("[bench] skipping llamacpp_eagle3: no EAGLE-3 drafter (pass --draft models/drafter-eagle3)",
+                  file=sys.stderr)  # fmt: skip
+        for label, path in usable:
+            name = "llamacpp_eagle3" if len(usable) == 1 else f"llamacpp_eagle3[{label}]"
+            draft_gguf = convert_drafter(root, path, target_dir, outtype)
+            args = server_args(target_gguf, threads, kv) + [
+                "-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain_k),
+                "--spec-draft-n-min", "0", "-td", str(threads), "-tbd", str(threads), "-ctkd", kv,
+                "-ctvd", kv]  # fmt: skip
+            settings = dict(base, drafter=str(path), drafter_gguf=str(draft_gguf), spec_type="draft-eagle3",
+                            draft_n_max=chain_k)  # fmt: skip
+            server = Server(binary, args, logs / f"{name}.log")
+            out.append(LlamaCppMethod(name, "llamacpp_eagle3", server, stop_ids, settings, size,
+                                      size + draft_gguf.stat().st_size))  # fmt: skip
+    return out

@@ -1,0 +1,33 @@
+"""Facts about the machine that decide how fast things run: CPU model and flags, and where measured
+results are cached. No dependencies, so every layer may import it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo, else what `platform` knows."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def cache_dir() -> Path:
+    """$EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec: calibrations, precision and bandwidth measurements."""
+    return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
