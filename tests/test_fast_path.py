@@ -142,3 +142,26 @@ def test_packed_model_state_dict_and_tie_unchanged(tmp_path):
     after = target.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert target.lm_head.weight is target.model.embed_tokens.weight
+
+
+def test_hybrid_copied_candidates_are_lossless_and_accepted(tmp_path):
+    """Context n-grams merged into the drafter's tree: output equals plain decoding (greedy), and on
+    text that repeats itself (the plain output appended to the prompt) copied tokens get accepted."""
+    target, hf, _ = tiny_target(tmp_path, "llama")
+    base = _prompts(3, seed=35)
+    first = [r.output_ids for r in Engine(target).generate([Request(p, 30) for p in base]).results]
+    prompts = [p + o + p for p, o in zip(base, first)]  # the continuation of p appeared once already
+    reqs = [Request(p, 30) for p in prompts]
+    plain = [r.output_ids for r in Engine(target).generate(reqs).results]
+    assert plain[0] == _hf_greedy(hf, prompts[0], 30)
+    drafter = random_drafter(target)
+    for mode, ngram, bs in [("tree", 6, 1), ("chain", 8, 2), ("auto", None, 1), ("auto", None, 3)]:
+        eng = Engine(target, drafter, mode=mode, tree=TreeShape(3, 2, 6), chain_k=3, adaptive=False,
+                     ngram_tokens=ngram)  # fmt: skip
+        out = eng.generate(reqs, batch_size=bs)
+        assert [r.output_ids for r in out.results] == plain, (mode, bs)
+        s = out.stats
+        if mode != "auto":  # auto copies only where the measured costs say it pays (timing-dependent)
+            assert s.copied_tokens > 0 and s.copied_accepted > 0, (mode, s.copied_tokens)
+    with pytest.raises(ValueError, match="ngram_tokens"):
+        Engine(target, drafter, ngram_tokens=99)

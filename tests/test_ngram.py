@@ -8,8 +8,8 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from eaglespec.spec.ngram import NgramIndex, lookup, max_children, merge_chains
-from eaglespec.spec.tree import DraftTree, ancestor_mask, root_only
+from eaglespec.spec.ngram import NgramIndex, lookup, merge_chains
+from eaglespec.spec.tree import DraftTree, ancestor_mask, max_children, root_only
 from eaglespec.spec.verify import accept_greedy, accept_sampling
 
 

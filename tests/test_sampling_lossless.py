@@ -38,13 +38,13 @@ def model(tmp_path_factory):
     return target, hf
 
 
-def _exact(hf, params):
+def _exact(hf, params, prompt=PROMPT):
     """Exact marginals of generated tokens 1, 2, 3 under the processed target distribution."""
     with torch.no_grad():
-        p1 = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1], params)  # [V]
-        seq2 = torch.tensor([PROMPT + [a] for a in range(V)])
+        p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        seq2 = torch.tensor([prompt + [a] for a in range(V)])
         p2 = target_probs(hf(seq2).logits[:, -1], params)  # [V(t1), V(t2)]
-        seq3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+        seq3 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
         p3 = target_probs(hf(seq3).logits[:, -1], params).view(V, V, V)
     joint12 = p1[:, None] * p2
     m3 = (joint12[:, :, None] * p3).sum((0, 1))
@@ -54,27 +54,34 @@ def _exact(hf, params):
 N = 3000
 
 
+REPEATS = [3, 7, 1, 12, 3, 7]  # "3 7" recurs: the hybrid proposer copies "1 12 3 7 ..." into the tree
+
+
 @pytest.mark.parametrize(
-    "mode,params,confidence",
+    "mode,params,confidence,ngram,prompt",
     [
-        ("tree", SamplingParams(temperature=1.0, seed=11), 0.0),
-        ("chain", SamplingParams(temperature=0.8, top_p=0.9, seed=12), 0.0),
-        ("tree", SamplingParams(temperature=0.8, top_k=6, seed=13), 0.0),
-        ("chain", SamplingParams(temperature=1.0, top_p=0.85, top_k=10, seed=14), 0.0),
-        ("tree", SamplingParams(temperature=1.0, seed=15), 0.15),  # confidence-truncated drafts
-        ("auto", SamplingParams(temperature=0.9, seed=16), 0.0),  # the cost-aware policy's trees
+        ("tree", SamplingParams(temperature=1.0, seed=11), 0.0, 0, PROMPT),
+        ("chain", SamplingParams(temperature=0.8, top_p=0.9, seed=12), 0.0, 0, PROMPT),
+        ("tree", SamplingParams(temperature=0.8, top_k=6, seed=13), 0.0, 0, PROMPT),
+        ("chain", SamplingParams(temperature=1.0, top_p=0.85, top_k=10, seed=14), 0.0, 0, PROMPT),
+        ("tree", SamplingParams(temperature=1.0, seed=15), 0.15, 0, PROMPT),  # confidence-truncated drafts
+        ("auto", SamplingParams(temperature=0.9, seed=16), 0.0, None, PROMPT),  # the cost-aware policy's trees
+        ("tree", SamplingParams(temperature=0.7, seed=17), 0.0, 4, REPEATS),  # hybrid: copied + drafted nodes
     ],
 )
-def test_speculative_sampling_matches_target(model, mode, params, confidence):
+def test_speculative_sampling_matches_target(model, mode, params, confidence, ngram, prompt):
     target, hf = model
     drafter = random_drafter(target, draft_vocab=12, scale=0.3, fc_norm=True, norm_output=True)
     eng = Engine(target, drafter, mode=mode, tree=TreeShape(3, 3, 8), chain_k=3, adaptive=False,
-                 confidence=confidence)  # fmt: skip
-    out = eng.generate([Request(PROMPT, 3)] * N, params, batch_size=750)
+                 confidence=confidence, ngram_tokens=ngram)  # fmt: skip
+    # the policy verifies nothing when a batch of 750 makes every extra node too costly: use 64 rows there
+    out = eng.generate([Request(prompt, 3)] * N, params, batch_size=64 if mode == "auto" else 750)
     toks = torch.tensor([r.output_ids for r in out.results])
     assert toks.shape == (N, 3)
     assert out.stats.accepted > 0.02 * out.stats.drafts  # speculation really contributed tokens
-    p1, m2, m3, j12 = _exact(hf, params)
+    if ngram:
+        assert out.stats.copied_tokens > 0  # copied candidates really were verified
+    p1, m2, m3, j12 = _exact(hf, params, prompt)
     c = [torch.bincount(toks[:, i], minlength=V) for i in range(3)]
     pvals = [_chi2(c[0], p1), _chi2(c[1], m2), _chi2(c[2], m3),
              _chi2(torch.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V), j12)]  # fmt: skip

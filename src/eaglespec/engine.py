@@ -18,6 +18,7 @@ from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
 from .sampling import SamplingParams, make_generator, target_probs
 from .spec.costs import load_or_calibrate
+from .spec.ngram import NgramIndex, merge_chains
 from .spec.policy import Policy, observe_acceptance
 from .spec.proposer import EagleProposer, TreeShape, causal_mask
 from .spec.synthetic import accept_synthetic
@@ -30,6 +31,7 @@ MODES = ("auto", "tree", "chain", "off")
 AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
 AUTO_MAX_DEPTH = 8
 AUTO_MAX_NODES = 48
+NGRAM_MAX = 8  # most tokens copied from the context per step
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Row:
     started: float = 0.0
     finish: str | None = None
     text: str | None = None
+    ngram: NgramIndex | None = None  # prompt + output, for copying continuations (hybrid proposer)
 
 
 class Engine:
@@ -75,6 +78,9 @@ class Engine:
     "chain" (`chain_k` tokens), "off".
     adaptive: plain steps while speculation measures slower (never changes output); False forces it.
     confidence: fixed shapes only: stop drafting below this cumulative draft probability.
+    ngram_tokens: hybrid proposer: up to this many tokens copied from the context (prompt lookup) join
+    each step's tree; auto picks how many per step from their measured acceptance (None: 8 for auto,
+    0 for fixed shapes).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Engine:
         max_length: int | None = None,
         adaptive: bool = True,
         confidence: float = 0.0,
+        ngram_tokens: int | None = None,
         synthetic_acceptance: list[float] | None = None,
     ):
         if mode not in MODES:
@@ -121,6 +128,11 @@ class Engine:
         # benchmarks only: accept by a given per-position profile instead of the target (not lossless)
         self.synthetic_acceptance = list(synthetic_acceptance) if synthetic_acceptance else None
         self.confidence = confidence
+        if ngram_tokens is None:
+            ngram_tokens = NGRAM_MAX if mode == "auto" else 0
+        if not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= NGRAM_MAX:
+            raise ValueError(f"ngram_tokens must be an integer in [0, {NGRAM_MAX}], got {ngram_tokens!r}")
+        self.ngram_tokens = ngram_tokens if self.drafter is not None else 0
         self.policy: Policy | None = None  # of the last generate call
         self._policies: dict[int, Policy] = {}  # per batch size: measurements persist across calls
 
@@ -144,7 +156,7 @@ class Engine:
         tcache = self.target.new_cache(batch_size, max_length=self.max_length)
         dcache = None
         if self.drafter is not None:
-            extra = self.shape.top_k * self.shape.depth + 1
+            extra = max(self.shape.top_k * self.shape.depth, NGRAM_MAX) + 1
             dcache = self.drafter.new_cache(batch_size, max_length=self.max_length + extra)
         batch_stats = SpecStats()
         waiting = list(range(len(requests)))
@@ -284,6 +296,8 @@ class Engine:
         firsts = first.tolist()
         for r, tok in zip(rows, firsts):
             r.output.append(tok)
+            if self.ngram_tokens:
+                r.ngram = NgramIndex(r.request.prompt_ids + [tok])
             r.stats.prompt_tokens = len(r.request.prompt_ids)
             r.stats.target_forwards += -(-len(r.request.prompt_ids) // self.prefill_chunk)
         dt = time.perf_counter() - t0
@@ -302,15 +316,18 @@ class Engine:
         policy = self.policy
         plan = policy.plan() if policy is not None else None
         speculate = plan is not None
-        if speculate and int(lengths.max()) + self.shape.kept_nodes + 1 > self.max_length:
+        if speculate and int(lengths.max()) + self.shape.kept_nodes + self.ngram_tokens + 1 > self.max_length:
             speculate = False  # too close to the context end for a tree: finish with plain steps
         if speculate:
             logits_d, state_d = self.proposer.extend(dcache, rows_arg, state["ids"], state["aux"], state["cnt"])
             auto = policy if self.mode == "auto" else None
             tree = self.proposer.propose(dcache, rows_arg, root, logits_d, state_d, width=plan.top_k, policy=auto,
                                          confidence=self.confidence)  # fmt: skip
+            chains = self._copied_chains(rows, auto, tree)
+            if chains is not None:
+                tree, _ = merge_chains(tree, chains)
         else:
-            tree = root_only(root)
+            tree, chains = root_only(root), None
         depth = int(tree.depth.max())
         t1 = time.perf_counter()
         base = lengths.to(self.device)[:, None]
@@ -339,17 +356,24 @@ class Engine:
         host = torch.cat([path_tokens, acc.accepted[:, None], acc.next_token[:, None]], dim=1).tolist()
         out = []
         n_draft = tree.num_draft
-        for r, row in zip(rows, host):
+        for j, (r, row) in enumerate(zip(rows, host)):
             a = row[-2]
             out.append(row[1 : a + 1] + [row[-1]])
             r.stats.target_forwards += 1
+            if r.ngram is not None:
+                r.ngram.append(out[-1])
             if speculate and n_draft > 0:
                 r.stats.observe_draft(n_draft, a)
                 r.stats.drafter_forwards += max(depth, 1)
+                if chains is not None and chains[j]:
+                    r.stats.copied_tokens += len(chains[j])
+                    r.stats.copied_accepted += _common_prefix(chains[j], out[-1][:a])
         t3 = time.perf_counter()
         if policy is not None:
             if speculate and tree.score is not None:
                 observe_acceptance(policy.acceptance, tree, acc)
+            if chains is not None:
+                policy.acceptance.observe_ngram(*_ngram_hits(chains, out))
             shape = (plan.top_k, depth, n_draft) if speculate else None
             policy.observe(speculate, sum(len(o) for o in out), t3 - t0, shape)
         batch_stats.time_draft += t1 - t0
@@ -361,6 +385,17 @@ class Engine:
             r.stats.time_other += t3 - t2
         out.append(new_state)
         return out
+
+    def _copied_chains(self, rows, policy, tree) -> list[list[int]] | None:
+        """Continuations copied from each row's context; with the policy, only as many tokens per step
+        as their measured acceptance pays for. None when there is nothing to add."""
+        if not self.ngram_tokens:
+            return None
+        chains = [r.ngram.lookup(self.ngram_tokens) for r in rows]
+        if policy is not None:
+            keep = policy.ngram_count([len(c) for c in chains], tree.num_draft)
+            chains = [c[:keep] for c in chains]
+        return chains if any(chains) else None
 
     def _after_tokens(self, rows, new_tokens, on_tokens):
         """Append accepted tokens (None: just admitted, first token already in place), stop, stream."""
@@ -400,6 +435,31 @@ class Engine:
                     r.text = text[:pos]
                     return j + 1, "stop"
         return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _ngram_hits(chains: list[list[int]], emitted: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per copied length j: how many chains could be judged (the target's tokens are known that far,
+    or the chain went wrong earlier) and how many had their first j tokens right."""
+    size = max(len(c) for c in chains) + 1
+    tried, hits = [0] * size, [0] * size
+    for c, e in zip(chains, emitted):
+        right = _common_prefix(c, e)
+        for j in range(1, len(c) + 1):
+            if j <= right:
+                tried[j] += 1
+                hits[j] += 1
+            elif right < len(e) or j <= len(e):  # a known mismatch at or before j
+                tried[j] += 1
+    return tried, hits
 
 
 def _cat_state(a: dict, b: dict) -> dict:

@@ -15,6 +15,8 @@ class SpecStats:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    copied_tokens: int = 0  # hybrid proposer: draft tokens copied from the context ...
+    copied_accepted: int = 0  # ... and how many of them were accepted
     target_forwards: int = 0
     drafter_forwards: int = 0
     prompt_tokens: int = 0

@@ -151,13 +151,3 @@ def merge_chains(tree: DraftTree, chains: Sequence[Sequence[int]]) -> tuple[Draf
     if tree.score is not None:  # copied and padding nodes are not the drafter's: -inf keeps them out of calibration
         score = torch.cat([tree.score, torch.full((b, extra), float("-inf"), dtype=tree.score.dtype, device=dev)], 1)
     return DraftTree(tok_t, par_t, dep_t, ancestor_mask(par_t, max_depth), score), from_context.to(dev)
-
-
-def max_children(tree: DraftTree) -> int:
-    """Largest number of children of any node in any row (the max_children accept_sampling needs)."""
-    b, n = tree.parent.shape
-    if n <= 1:
-        return 0
-    counts = torch.zeros(b, n + 1, dtype=torch.long, device=tree.parent.device)
-    counts.scatter_add_(1, tree.parent + 1, torch.ones_like(tree.parent))  # column 0 counts parent -1
-    return int(counts[:, 1:].max())

@@ -193,8 +193,26 @@ class Policy:
 
     def node_count(self, q: torch.Tensor, draft_seconds: float) -> int:
         q_sorted = q.sort(dim=-1, descending=True).values
-        n, _ = best_node_count(q_sorted, q.shape[0], draft_seconds, self.costs, self.max_nodes)
+        n, value = best_node_count(q_sorted, q.shape[0], draft_seconds, self.costs, self.max_nodes)
+        self._last = (n, value * (draft_seconds + self.costs.verify_cost(n + 1)), draft_seconds)
         return n
+
+    def ngram_count(self, lengths: list[int], tree_nodes: int) -> int:
+        """How many copied tokens to add per row (same for every row) after the drafter's tree of
+        `tree_nodes` nodes: the count maximising expected tokens per second, each copied token j
+        worth beta[j] (measured) in every row whose copy is that long."""
+        longest = max(lengths, default=0)
+        if longest == 0 or not hasattr(self, "_last"):
+            return 0
+        _, tokens, draft = self._last
+        beta = self.acceptance.ngram_q(longest)
+        best_j, best_v, gain = 0, tokens / (draft + self.costs.verify_cost(tree_nodes + 1)), 0.0
+        for j in range(1, len(beta) + 1):
+            gain += beta[j - 1] * sum(1 for n in lengths if n >= j)
+            v = (tokens + gain) / (draft + self.costs.verify_cost(tree_nodes + j + 1))
+            if v > best_v:
+                best_j, best_v = j, v
+        return best_j
 
     def draft_seconds(self, levels: int, width: int) -> float:
         """Predicted non-verification time of a speculative step: the extend (about one width-1
