@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -31,3 +32,16 @@ def cpu_flags() -> set[str]:
 def cache_dir() -> Path:
     """$EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec: calibrations, precision and bandwidth measurements."""
     return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
+
+
+def best_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    """The fastest of `repeats` timed calls after `warmup` untimed ones: the cost without
+    interference (a shared machine only ever adds time)."""
+    for _ in range(warmup):
+        fn()  # first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)

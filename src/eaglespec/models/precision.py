@@ -4,7 +4,8 @@ Target and drafter always share the chosen precision, so plain and speculative d
 their logits with the same kernels' precision and greedy outputs stay identical at that precision.
 
 CPU: bf16 only where the CPU computes it natively (AMX or AVX-512 BF16; without them bf16 is
-emulated and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick measurement on the
+emulated and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick measurement (the packed kernels of
+models/fast_linear.py) on the
 model's own matrix shapes (one token, as in plain decoding, and 17 tokens, as in verifying a tree)
 says it is faster; fp32 otherwise. CUDA: bf16 where supported, else fp16.
 The measurement (well under a second) is cached with the calibration files (spec/costs.py).
@@ -14,29 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from .. import machine
-from ..machine import cache_dir, cpu_name
+from ..machine import best_seconds, cache_dir, cpu_name
 
 CHOICES = ("auto", "fp32", "bf16", "fp16")
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def _time_linear(w: torch.Tensor, m: int, repeats: int = 30) -> float:
-    x = torch.randn(m, w.shape[1], dtype=w.dtype)
-    for _ in range(3):
-        torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Seconds per call of the kernel inference really uses (oneDNN-packed where available)."""
+    from .fast_linear import FastLinear
+
+    x, layer = torch.randn(m, w.shape[1], dtype=w.dtype), FastLinear(w, None)
+    return best_seconds(lambda: layer(x), repeats, warmup=3)
 
 
 def measure_cpu(hidden: int, intermediate: int, vocab: int) -> dict:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..machine import cache_dir, cpu_name
+from ..machine import best_seconds, cache_dir, cpu_name
 
 VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
@@ -40,6 +39,14 @@ class StepCosts:
 
     def verify_cost(self, n: int) -> float:
         return _interpolate(self.verify, n)
+
+    def verify_costs(self, up_to: int) -> list[float]:
+        """[verify_cost(1), ..., verify_cost(up_to)], computed once per StepCosts (the policy asks
+        for it several times per step)."""
+        table = self.__dict__.setdefault("_table", [])
+        while len(table) < up_to:
+            table.append(self.verify_cost(len(table) + 1))
+        return table[:up_to]
 
     def draft_cost(self, k: int) -> float:
         return _interpolate(self.draft, k)
@@ -136,18 +143,6 @@ def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None, 
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def _best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls after a warm-up: the cost without interference (a shared
-    machine only ever adds time; the policy corrects for steady extra cost online)."""
-    fn()  # warm-up: first calls allocate and pick kernels
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 @torch.inference_mode()
 def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT, repeats: int = 5) -> StepCosts:
     """Measure target forwards over n tokens per row (n in VERIFY_GRID) and drafter forwards over k
@@ -173,7 +168,7 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
             target.logits(h).argmax(-1)
             sync()
 
-        verify[n] = _best_seconds(run_target, repeats if n * batch <= 256 else max(2, repeats // 2))
+        verify[n] = best_seconds(run_target, repeats if n * batch <= 256 else max(2, repeats // 2))
     draft = {}
     if drafter is not None:
         if drafter.embed_tokens is None and drafter._target_embed is None:
@@ -192,7 +187,7 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
                 logits.float().log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
                 sync()
 
-            draft[k] = _best_seconds(run_drafter, repeats)
+            draft[k] = best_seconds(run_drafter, repeats)
     else:
         draft = {1: float("inf")}
     return StepCosts(batch, verify, draft)

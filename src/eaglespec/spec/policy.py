@@ -91,15 +91,11 @@ def best_node_count(q_sorted: torch.Tensor, rows: int, draft_seconds: float, cos
     """q_sorted [B, M] per-row q values sorted descending. Returns (n, tokens per second) maximising
     (B + sum over rows of the n best q) / (draft_seconds + verify(n + 1)), n in 0..min(M, max_nodes)."""
     m = min(q_sorted.shape[-1], max_nodes, costs.max_verify_tokens - 1)
-    gains = torch.zeros(m + 1)
-    if m > 0:
-        gains[1:] = q_sorted[:, :m].float().sum(0).cumsum(0).cpu()
-    best_n, best_v = 0, -1.0
-    for n in range(m + 1):
-        v = (rows + float(gains[n])) / (draft_seconds + costs.verify_cost(n + 1))
-        if v > best_v:
-            best_n, best_v = n, v
-    return best_n, best_v
+    gains = [0.0] + (q_sorted[:, :m].float().sum(0).cumsum(0).tolist() if m > 0 else [])
+    verify = costs.verify_costs(m + 1)
+    values = [(rows + g) / (draft_seconds + v) for g, v in zip(gains, verify)]
+    best_n = max(range(m + 1), key=values.__getitem__)
+    return best_n, values[best_n]
 
 
 def level_pays(value_now: float, tokens_now: float, seconds_now: float, n_now: int, next_gains: torch.Tensor,
