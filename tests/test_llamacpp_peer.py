@@ -32,6 +32,15 @@ def test_not_built_is_reported_and_skipped(tmp_path, monkeypatch, capsys):
     assert "scripts/llamacpp/build.sh" in capsys.readouterr().err
 
 
+def test_missing_converter_module_is_reported(tmp_path, monkeypatch):
+    for rel in (f"build/bin/{llamacpp.SERVER}", "src/convert_hf_to_gguf.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    monkeypatch.setattr(llamacpp, "CONVERTER_MODULES", ("yaml", "no_such_module_for_the_test"))
+    reason = llamacpp.not_built_reason(tmp_path)
+    assert reason is not None and "pip install no_such_module_for_the_test" in reason and "yaml" not in reason
+
+
 def test_methods_are_opt_in():
     assert parse_kinds("plain,llamacpp_plain,llamacpp_eagle3") == ["plain", "llamacpp_plain", "llamacpp_eagle3"]
     assert not any(k.startswith("llamacpp") for k in parse_kinds(None) + parse_kinds("all"))

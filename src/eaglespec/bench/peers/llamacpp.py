@@ -22,6 +22,7 @@ mismatch.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import socket
@@ -40,6 +41,8 @@ SERVER = "llama-server"
 BUILD_HINT = "run scripts/llamacpp/build.sh (builds llama.cpp once, ~10 min on 2 cores)"
 OUTTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # bench dtype -> GGUF weights and KV cache type
 STARTUP_TIMEOUT_S = 300
+CONVERTER_MODULES = ("sentencepiece", "yaml")  # convert_hf_to_gguf.py and its gguf-py import them; not our deps
+PIP_NAME = {"yaml": "pyyaml"}
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
 
 
@@ -49,11 +52,15 @@ def llamacpp_root() -> Path:
 
 
 def not_built_reason(root: Path | None = None) -> str | None:
-    """None when the server binary and the converter are there, else why not (with the fix)."""
+    """None when the server binary, the converter and its Python modules are there, else why not (with the fix)."""
     root = root or llamacpp_root()
     missing = [p for p in (root / "build" / "bin" / SERVER, root / "src" / "convert_hf_to_gguf.py") if not p.is_file()]
     if missing:
         return f"llama.cpp is not built ({', '.join(str(p) for p in missing)} missing): {BUILD_HINT}"
+    absent = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
+    if absent:
+        return (f"llama.cpp's GGUF converter needs {', '.join(absent)} in this environment: "
+                f"pip install {' '.join(PIP_NAME.get(m, m) for m in absent)} (scripts/llamacpp/build.sh does it)")
     return None
 
 
