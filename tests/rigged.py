@@ -19,7 +19,7 @@ class RiggedProposer(EagleProposer):
         toks, scores, parents, depths = [], [], [], []
         for r in self.engine.active_rows:
             done = len(r.output)
-            true = (self.truth[r.index][done : done + depth] + [0] * depth)[:depth]
+            true = (self.truth[r.id][done : done + depth] + [0] * depth)[:depth]
             if self.break_every and done % self.break_every == 1:  # vary accept lengths
                 cut = done % depth
                 true = true[:cut] + [(t + 1) % self.vocab for t in true[cut:]]

@@ -5,12 +5,11 @@ import time
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from eaglespec.spec.ngram import NgramIndex, lookup, merge_chains
-from eaglespec.spec.tree import DraftTree, ancestor_mask, max_children, root_only
-from eaglespec.spec.verify import accept_greedy, accept_sampling
+from eaglespec.spec.tree import DraftTree, ancestor_mask, root_only
+from eaglespec.spec.verify import accept_greedy
 
 
 def _brute(ctx, max_tokens, max_ngram=3, min_ngram=1, prefer="last"):
@@ -180,8 +179,6 @@ def test_merge_diverging_chains_and_padding():
     want = torch.zeros(4, 9, dtype=torch.bool)
     want[0, 5:7] = want[2, 5] = want[3, 5:9] = True
     assert torch.equal(fc, want)
-    assert max_children(t) == 2
-    assert max_children(m) == 6  # row 1: node 1 has c, d and four copies of d
     assert m.score is None
 
 
@@ -208,9 +205,6 @@ def test_merge_into_root_only_tree():
     logits = torch.randn(3, 3, 8)
     acc = accept_greedy(m, logits, 2)
     assert acc.path[1].tolist() == [0, 0, 0] and acc.accepted[1] == 0 and acc.next_token[1] == logits[1, 0].argmax()
-    probs = torch.softmax(torch.randn(3, 3, 8), -1)
-    acc = accept_sampling(m, probs, 2, max_children(m), torch.Generator().manual_seed(0))
-    assert acc.path[1].tolist() == [0, 0, 0] and acc.accepted[1] == 0
 
 
 def test_merge_rejects_wrong_row_count():
@@ -285,62 +279,3 @@ def test_greedy_padding_is_lossless():
             assert (acc.path[r] < real).all()  # a padding copy is never on the path
             accepted_on_pad_twin += int(real < n and (acc.path[r] == real - 1).any())
     assert accepted_on_pad_twin > 20  # the padded leaf's twin was accepted often: the test has teeth
-
-
-def _chi2(counts, expected_p):
-    """p-value of counts vs probabilities, merging cells with expected count < 5."""
-    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
-    exp = torch.as_tensor(expected_p, dtype=torch.float64).flatten() * counts.sum()
-    if counts[exp == 0].sum() > 0:
-        return 0.0
-    small = exp < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
-    ex = torch.cat([exp[~small], exp[small].sum()[None]]) if small.any() else exp
-    keep = ex > 0
-    obs, ex = obs[keep], ex[keep]
-    return chisquare(obs.numpy(), (ex * obs.sum() / ex.sum()).numpy()).pvalue
-
-
-def test_sampling_padding_is_lossless():
-    v, n = 6, 40000
-    # root(0) -> 1:a=4 -> 2:c=5 ; root -> 3:b=2 (the last node: a child of the root)
-    base = _tree([[0, 4, 5, 2]] * 3, [[-1, 0, 1, 0]] * 3)
-    # row 0: chain under c (3 new nodes); row 1: nothing -> 3 copies of b next to b at the root;
-    # row 2: z=1 under b -> 2 copies of z under b
-    m, fc = merge_chains(base, [[4, 5, 3, 0, 1], [], [2, 1]])
-    assert m.tokens.shape[1] == 7 and fc.sum(1).tolist() == [3, 0, 1]
-    g = torch.Generator().manual_seed(7)
-    probs_all = -torch.rand(3, 7, v, generator=g).log()  # Dirichlet(1) per row and node, once normalised
-    # make the drafts plausible so they are both accepted and rejected often
-    for r in range(3):
-        for i in range(7):
-            for kid in (m.parent[r] == i).nonzero()[:, 0].tolist():
-                probs_all[r, i, m.tokens[r, kid]] += 0.5
-    probs_all /= probs_all.sum(-1, keepdim=True)
-    for r, (via, pad_from) in enumerate([(1, None), (3, 4), (3, 5)]):
-        row = DraftTree(*(x[r : r + 1].expand(n, *x.shape[1:]) for x in (m.tokens, m.parent, m.depth, m.mask)))
-        probs = probs_all[r][None].expand(n, 7, v).contiguous()
-        k = max_children(row)
-        assert k == [2, 5, 3][r]  # padding copies are real siblings in the children table
-        acc = accept_sampling(row, probs, int(m.depth.max()), k, g)
-        tok = row.tokens.gather(1, acc.path)
-        first = torch.where(acc.accepted >= 1, tok[:, 1], acc.next_token)
-        assert _chi2(torch.bincount(first, minlength=v), probs_all[r, 0]) > 1e-3, r
-        assert _chi2(torch.bincount(first, minlength=v), torch.full((v,), 1 / v)) < 1e-6  # power
-        # second token given the walk accepted node `via` at depth 1 follows the target there
-        through = (acc.accepted >= 1) & (acc.path[:, 1] == via)
-        assert through.sum() > 3000
-        second = torch.where(acc.accepted >= 2, tok[:, 2], acc.next_token)[through]
-        assert _chi2(torch.bincount(second, minlength=v), probs_all[r, via]) > 1e-3, r
-        if pad_from is not None:
-            assert not (acc.path >= pad_from).any()  # padding copies are never accepted
-            twin = pad_from - 1
-            on_twin = (acc.path == twin).any(1)
-            # the twin is accepted often, and often tried and rejected (then its copies are tried, with p = 0):
-            # row 1: nothing accepted means a and b were both rejected; row 2: b accepted, z rejected
-            rejected = (acc.accepted == 0) if r == 1 else (through & ~on_twin)
-            assert on_twin.sum() > 1000 and rejected.sum() > 1000
-    # row 0: the chain's nodes are accepted (depth 5 reached) and the walk stays exact along c
-    acc = accept_sampling(DraftTree(*(x[:1].expand(n, *x.shape[1:]) for x in (m.tokens, m.parent, m.depth, m.mask))),
-                          probs_all[0][None].expand(n, 7, v).contiguous(), 5, max_children(m), g)  # fmt: skip
-    assert (acc.accepted == 5).sum() > 0

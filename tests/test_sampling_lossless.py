@@ -6,10 +6,10 @@ from scipy.stats import chisquare
 
 from eaglespec.engine import Engine, Request
 from eaglespec.models.checkpoint import load_target
-from eaglespec.sampling import SamplingParams, target_probs
+from eaglespec.sampling import BatchSampling, SamplingParams, target_probs, token_scores
 from eaglespec.spec.proposer import TreeShape
 from eaglespec.spec.tree import DraftTree, ancestor_mask
-from eaglespec.spec.verify import accept_sampling
+from eaglespec.spec.verify import accept_greedy
 from helpers import hf_tiny, random_drafter, save_hf
 
 V = 16
@@ -111,39 +111,45 @@ def _hand_tree(b):
     return DraftTree(tokens, parent, depth, ancestor_mask(parent, 2))
 
 
-def test_accept_sampling_marginals_on_hand_tree():
+def _accept_by_scores(tree, probs, generator):
+    """The engine's sampled verification: Gumbel-max scores per position, then greedy acceptance."""
+    n = probs.shape[0]
+    batch = BatchSampling.of([SamplingParams(temperature=1.0)] * n, [None] * n, "cpu")
+    scores = token_scores(probs.log(), batch, tree.depth + 1, generator)
+    return accept_greedy(tree, scores, 2)
+
+
+def test_scored_acceptance_marginals_on_hand_tree():
     n, v = 40000, 6
     p_root = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.4, 0.1])  # drafts 4 (likely) and 2
     p_a = torch.tensor([0.2, 0.2, 0.1, 0.1, 0.1, 0.3])  # at node a; its draft child is 5
     p_b = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
     p_c = torch.full((v,), 1 / v)
     probs = torch.stack([p_root, p_a, p_b, p_c])[None].expand(n, 4, v).contiguous()
-    g = torch.Generator().manual_seed(0)
-    acc = accept_sampling(_hand_tree(n), probs, 2, 2, g)
+    acc = _accept_by_scores(_hand_tree(n), probs, torch.Generator().manual_seed(0))
     tokens = _hand_tree(n).tokens
     path_tok = tokens.gather(1, acc.path)
     first = torch.where(acc.accepted >= 1, path_tok[:, 1], acc.next_token)
     assert _chi2(torch.bincount(first, minlength=v), p_root) > 1e-3
     assert _chi2(torch.bincount(first, minlength=v), torch.full((v,), 1 / v)) < 1e-6  # power
     # second token given the first is a=4 (through node a) follows p_a
-    via_a = acc.accepted >= 1
-    via_a &= path_tok[:, 1] == 4
+    via_a = (acc.accepted >= 1) & (path_tok[:, 1] == 4)
     second = torch.where(acc.accepted >= 2, path_tok[:, 2], acc.next_token)[via_a]
     assert _chi2(torch.bincount(second, minlength=v), p_a) > 1e-3
     via_b = (acc.accepted == 1) & (path_tok[:, 1] == 2)
     assert _chi2(torch.bincount(acc.next_token[via_b], minlength=v), p_b) > 1e-3
-    # acceptance happened on both branches and at depth 2
+    # acceptance happened on both branches and at depth 2, with the drafts' own probabilities
     assert via_b.sum() > 1000 and (acc.accepted == 2).sum() > 1000
-    # accepted path consistent with the tree
+    assert abs(float((acc.accepted >= 1).float().mean()) - 0.7) < 0.02  # p_root(4) + p_root(2)
     assert torch.all(acc.path[:, 0] == 0)
     assert torch.all((acc.accepted == 2) <= (acc.path[:, 1] == 1))
 
 
-def test_accept_sampling_zero_prob_draft_never_accepted():
+def test_scored_acceptance_never_takes_a_zero_prob_draft():
     n, v = 2000, 6
     p = torch.tensor([0.2, 0.2, 0.0, 0.2, 0.0, 0.4])  # drafts 4 and 2 are impossible
     probs = p[None, None].expand(n, 4, v).contiguous()
-    acc = accept_sampling(_hand_tree(n), probs, 2, 2, torch.Generator().manual_seed(1))
+    acc = _accept_by_scores(_hand_tree(n), probs, torch.Generator().manual_seed(1))
     assert (acc.accepted == 0).all()
     assert not torch.isin(acc.next_token, torch.tensor([2, 4])).any()
     assert _chi2(torch.bincount(acc.next_token, minlength=v), p) > 1e-3

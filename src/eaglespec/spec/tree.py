@@ -88,28 +88,3 @@ def build_tree(root: torch.Tensor, cand: Candidates, num_nodes: int, max_depth: 
     depth = torch.cat([torch.zeros_like(minus1), cand.depth.gather(1, keep)], dim=1)
     score = torch.cat([torch.zeros(b, 1, device=root.device), cand.scores.float().gather(1, keep)], dim=1)
     return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth), score)
-
-
-def children_table(parent: torch.Tensor, max_children: int) -> torch.Tensor:
-    """parent [B, n] -> [B, n, max_children] child node indices in index order, padded with -1."""
-    b, n = parent.shape
-    onehot = torch.zeros(b, n, n + 1, dtype=torch.long, device=parent.device)
-    onehot.scatter_(2, (parent + 1)[:, :, None], 1)  # column 0 = "no parent"
-    rank = (onehot.cumsum(1) * onehot).sum(-1) - 1  # rank of node among its siblings
-    table = torch.full((b, n + 1, max_children + 1), -1, dtype=torch.long, device=parent.device)
-    has = parent >= 0
-    rows = torch.arange(b, device=parent.device)[:, None].expand(b, n)
-    nodes = torch.arange(n, device=parent.device).expand(b, n)
-    r = torch.where(has, rank.clamp(max=max_children), torch.full_like(rank, max_children))
-    table[rows, torch.where(has, parent, torch.full_like(parent, n)), r] = torch.where(has, nodes, -1)
-    return table[:, :n, :max_children]
-
-
-def max_children(tree: DraftTree) -> int:
-    """The largest number of children any node of any row has (at least 1)."""
-    b, n = tree.parent.shape
-    if n == 1:
-        return 1
-    counts = torch.zeros(b, n + 1, dtype=torch.long, device=tree.parent.device)
-    counts.scatter_add_(1, tree.parent + 1, torch.ones_like(tree.parent))
-    return max(1, int(counts[:, 1:].max()))

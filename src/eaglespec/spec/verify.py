@@ -1,11 +1,9 @@
 """Acceptance: which path of a draft tree the target keeps, plus its own next token.
 
 Greedy: a node is accepted when every node on its path equals the target's argmax after its parent.
-Sampling: multi-candidate recursive rejection sampling with point-mass drafts (reference §6.1):
-at each accepted node try its children in order, accept child x with probability p(x) under the
-residual distribution, zero p(x) and renormalise on rejection; the final token is drawn from the
-residual at the node where the walk stopped (or the fresh distribution when nothing was rejected
-there). This yields exact samples from the target distribution.
+Sampling uses the same rule on scores (sampling.token_scores): log p plus Gumbel noise shared by all
+nodes at one position, so the argmax at each node is an exact sample of the target there, and a draft
+token is accepted with probability p(x), as with rejection sampling of point-mass drafts (reference §6.1).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree, children_table
+from .tree import DraftTree
 
 
 @dataclass
@@ -50,41 +48,3 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, max_depth: int) -> Acce
     best = score.argmax(-1)  # first node of maximal accepted depth
     path = _path_to(tree, best, max_depth)
     return Acceptance(path, tree.depth.gather(1, best[:, None])[:, 0], top.gather(1, best[:, None])[:, 0])
-
-
-def accept_sampling(
-    tree: DraftTree, probs: torch.Tensor, max_depth: int, max_children: int, generator=None
-) -> Acceptance:
-    """probs [B, N+1, V]: processed target distribution at every node (sampling.target_probs)."""
-    b, n, _ = probs.shape
-    dev = probs.device
-    rows = torch.arange(b, device=dev)
-    children = children_table(tree.parent, max_children) if n > 1 else None
-    cur = torch.zeros(b, dtype=torch.long, device=dev)
-    residual = probs[:, 0].clone()
-    alive = torch.ones(b, dtype=torch.bool, device=dev)
-    for _ in range(max_depth if n > 1 else 0):
-        moved = torch.zeros(b, dtype=torch.bool, device=dev)
-        kids = children[rows, cur]  # [B, C]
-        if not bool((alive & (kids[:, 0] >= 0)).any()):
-            break
-        for s in range(kids.shape[1]):
-            child = kids[:, s]
-            trying = alive & ~moved & (child >= 0)
-            if not bool(trying.any()):
-                continue
-            tok = tree.tokens[rows, child.clamp(min=0)]
-            p_tok = residual[rows, tok]
-            u = torch.rand(b, generator=generator, device=dev, dtype=torch.float32)
-            take = trying & (u < p_tok)
-            reject = trying & ~take
-            residual[rows[reject], tok[reject]] = 0.0
-            residual = torch.where(
-                reject[:, None], residual / residual.sum(-1, keepdim=True).clamp_min(1e-30), residual
-            )
-            moved |= take
-            cur = torch.where(take, child, cur)
-        residual = torch.where(moved[:, None], probs[rows, cur], residual)
-        alive &= moved
-    next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]
-    return Acceptance(_path_to(tree, cur, max_depth), tree.depth[rows, cur], next_token)
