@@ -153,6 +153,12 @@ def _add_drift(sub):
     add_drift_parser(sub)
 
 
+def _add_serve(sub):
+    from .serve.cli import add_parser
+
+    add_parser(sub)
+
+
 def _add_bench(sub):
     from .bench.cli import add_parser
 
@@ -172,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training(sub)
     _add_bench(sub)
     _add_drift(sub)
+    _add_serve(sub)
     return parser
 
 

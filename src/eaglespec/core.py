@@ -97,6 +97,7 @@ class EngineCore:
         self._next_id = 0
         self._decode_turn = False
         self._policy, self._policy_key, self._policy_age = None, None, 0
+        self.last_shape: tuple[int, int, int] | None = None  # the last decoding step's (width, depth, nodes)
 
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, request, params: SamplingParams | None = None, request_id: int | None = None) -> int:
@@ -173,6 +174,7 @@ class EngineCore:
         if self.prefilling and not (self.running and self._decode_turn):
             rows, new_tokens = self._prefill_chunk(), None
             self._decode_turn = True
+            self.last_shape = None
         elif self.running:
             rows, new_tokens = self.running, self._decode()
             self._decode_turn = False
@@ -370,6 +372,7 @@ class EngineCore:
                 policy.acceptance.observe_ngram(*_ngram_hits(chains, out))
             shape = (plan.top_k, depth, n_draft) if speculate else None
             policy.observe(speculate, sum(len(o) for o in out), t3 - t0, shape)
+        self.last_shape = (plan.top_k, depth, n_draft) if speculate else (0, 0, 0)
         self.state = new_state
         for stats in [self.stats] + [r.stats for r in rows]:
             stats.time_draft += t1 - t0

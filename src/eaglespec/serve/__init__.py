@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol (pydantic), async engine (core thread), metrics, routes."""
