@@ -154,9 +154,11 @@ def _add_drift(sub):
 
 
 def _add_serve(sub):
+    from .bench.serving import add_parser as add_bench_serving
     from .serve.cli import add_parser
 
     add_parser(sub)
+    add_bench_serving(sub)
 
 
 def _add_bench(sub):
