@@ -95,3 +95,53 @@ def test_invalid_settings_are_clear_errors(engine):
     with pytest.raises(ValueError, match="max_new_tokens"):
         core.add_request(Request([1, 2], 0))
     assert not core.has_work
+
+
+@pytest.mark.parametrize("window", [None, 7, 30])
+def test_drafter_prefill_window_feeds_the_last_pairs_and_stays_lossless(engine, window):
+    """With a window the drafter gets only the last `window` (state, token) pairs of each prompt, even
+    when the window starts inside a prefill chunk and rows of different lengths share one; output
+    stays the plain target's (only the proposals change)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 23, 61]
+    reqs = [Request(torch.randint(0, 96, (n,), generator=g).tolist(), 12) for n in lengths]
+    plain = Engine(engine.target, prefill_chunk=16)
+    expected = [_alone(plain, r) for r in reqs]
+    old = engine.draft_prefill_window
+    engine.draft_prefill_window = window
+    try:
+        core = EngineCore(engine, max_num_seqs=3, max_num_batched_tokens=48)
+        ids = [core.add_request(r) for r in reqs]
+        outputs, fed = {}, {}
+        while core.has_work:
+            before = {id(r) for r in core.running}
+            for o in core.step():
+                outputs[o.request_id] = o.output_ids
+            core._run_deferred_extend()  # what the next step would run first
+            for r in core.running:  # rows that just joined: the drafter holds only their prompt pairs
+                if id(r) not in before:
+                    fed[len(r.request.prompt_ids)] = int(core.dcache.lengths[r.slot])
+        assert fed == {n: n - 1 if window is None else min(window, n - 1) for n in lengths}
+        assert [outputs[i] for i in ids] == expected
+    finally:
+        engine.draft_prefill_window = old
+
+
+def test_drafter_prefill_window_is_validated(engine):
+    with pytest.raises(ValueError, match="draft_prefill_window"):
+        Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=0)
+
+
+def test_pending_drafter_pairs_keep_each_rows_latest_in_order():
+    from eaglespec.core import _append_pending
+
+    state = {"ids": torch.tensor([[7, 0], [8, 9]]), "aux": torch.tensor([[[7.0], [0.0]], [[8.0], [9.0]]]),
+             "cnt": torch.tensor([1, 2])}  # fmt: skip
+    for tok in range(10, 14):
+        state = _append_pending(state, torch.tensor([[float(tok)], [float(tok)]]), torch.tensor([tok, tok]), keep=3)
+    assert state["cnt"].tolist() == [3, 3]
+    assert state["ids"].tolist() == [[11, 12, 13], [11, 12, 13]]
+    assert state["aux"][:, :, 0].tolist() == [[11.0, 12.0, 13.0], [11.0, 12.0, 13.0]]
+    short = _append_pending({"ids": torch.tensor([[5]]), "aux": torch.zeros(1, 1, 1), "cnt": torch.tensor([1])},
+                            torch.ones(1, 1), torch.tensor([6]), keep=3)  # fmt: skip
+    assert short["ids"].tolist() == [[5, 6]] and short["cnt"].tolist() == [2]

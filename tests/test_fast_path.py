@@ -103,9 +103,9 @@ def test_policy_switching_mid_request_keeps_output(tmp_path):
     flips = []
     orig_observe = policy.observe
 
-    def observe(speculated, tokens, seconds, shape=None):
+    def observe(speculated, tokens, seconds, shape=None, rows=None):
         flips.append(speculated)
-        orig_observe(speculated, tokens, seconds, shape)
+        orig_observe(speculated, tokens, seconds, shape, rows)
         if not speculated:
             policy.plain_rate = 1e-9  # ... and back on after the first plain step
         elif len(flips) % 3 == 0:
@@ -116,6 +116,24 @@ def test_policy_switching_mid_request_keeps_output(tmp_path):
     assert [r.output_ids for r in out.results] == plain
     assert True in flips and False in flips and sum(a != b for a, b in zip(flips, flips[1:])) >= 4
     assert set(eng._policies) == {1, 2, 3}
+
+
+def test_server_start_prepares_every_batch_bucket_and_recalibrates_once(tmp_path, monkeypatch):
+    target, _, _ = tiny_target(tmp_path, "llama")
+    eng = Engine(target, random_drafter(target), mode="auto")
+    assert eng.prepare_policies(5) == [1, 2, 4, 5]
+    assert set(eng._policies) == {1, 2, 4, 5} and all(p.costs.batch == b for b, p in eng._policies.items())
+    calls = []
+    import eaglespec.engine as engine_module
+
+    real = engine_module.load_or_calibrate
+    monkeypatch.setattr(engine_module, "load_or_calibrate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    policy = eng._policies[2]
+    for _ in range(2):  # persistently 20x off: recalibrate the first time only
+        for _ in range(20):
+            policy.observe(False, 2, 20 * policy.costs.verify_cost(1), rows=2)
+        assert eng._policy_for(2) is policy
+    assert calls == [{"force": True}]
 
 
 def test_confidence_truncation_is_lossless_and_drafts_less(tmp_path):

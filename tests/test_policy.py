@@ -240,3 +240,26 @@ def test_unsupported_device_is_a_clear_error():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="no CUDA GPU"):
         load_engine(default_models_dir() / "target", None, device="cuda")
+
+
+def test_only_steps_at_the_calibrated_batch_judge_the_calibration():
+    costs = _costs(4e-3, 1e-4, 0)  # calibrated at batch 1
+    policy = Policy(costs, widths=(2,))
+    for _ in range(20):  # a bucket's smaller or larger batches run at other speeds: not evidence
+        policy.observe(False, 3, 20 * costs.verify_cost(1), rows=3)
+    assert not policy.calibration_suspect()
+    for _ in range(20):
+        policy.observe(False, 1, 20 * costs.verify_cost(1), rows=costs.batch)
+    assert policy.calibration_suspect()
+
+
+def test_backing_off_only_in_a_real_plain_run():
+    costs = _costs(4e-3, 1e-4, 0)
+    policy = Policy(costs, widths=(2,))
+    assert not policy.backing_off
+    policy.plain_left = 1  # a plain-rate probe
+    assert not policy.backing_off
+    policy.plain_left = policy.backoff
+    assert policy.backing_off
+    policy.adaptive = False
+    assert not policy.backing_off

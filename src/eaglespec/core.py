@@ -29,6 +29,7 @@ from .spec.tree import root_only
 from .spec.verify import accept_greedy
 from .stats import SpecStats
 
+PENDING_PAIRS_MAX = 16  # drafter pairs queued by plain steps that a catch-up extend feeds (see _append_pending)
 POLICY_RECHECK_STEPS = 16  # how often the policy's calibration is checked for being off
 
 
@@ -98,6 +99,7 @@ class EngineCore:
         self._decode_turn = False
         self._policy, self._policy_key, self._policy_age = None, None, 0
         self.last_shape: tuple[int, int, int] | None = None  # the last decoding step's (width, depth, nodes)
+        self._deferred_extend = None  # the drafter's share of the last prefill chunk (see step)
 
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, request, params: SamplingParams | None = None, request_id: int | None = None) -> int:
@@ -170,6 +172,7 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One forward of work; returns the requests that gained tokens (finished ones included)."""
+        self._run_deferred_extend()
         self._admit()
         if self.prefilling and not (self.running and self._decode_turn):
             rows, new_tokens = self._prefill_chunk(), None
@@ -265,9 +268,7 @@ class EngineCore:
         h, aux = engine.target(ids[:, :t], meta.write_pos, self.tcache, meta, capture_aux=use_drafter)
         self.tcache.commit(slots, cnt_t)
         if use_drafter:
-            # drafter pairs (state at i, token i+1) for i < n-1; the last one waits for the sampled token
-            d_cnt = torch.tensor([max(0, min(t, len(r.request.prompt_ids) - 1 - r.done)) for r in group])
-            engine.proposer.extend(self.dcache, slots, ids[:, 1 : t + 1], aux, d_cnt, chunk=t)
+            self._deferred_extend = self._drafter_prompt_pairs(group, slots, ids, aux, t)
         for r, c in zip(group, cnt):
             r.done += c
             r.stats.target_forwards += 1
@@ -300,6 +301,38 @@ class EngineCore:
         for r in group:
             r.stats.time_prefill += dt
         return joined
+
+    def _drafter_prompt_pairs(self, group, slots, ids, aux, t):
+        """The drafter's share of a prefill chunk: pairs (state at i, token i+1) for i < n - 1 (the
+        last one waits for the sampled token), limited to the last `draft_prefill_window` pairs of
+        each prompt. Returned as the arguments of one extend, run at the start of the next step so
+        that the first token reaches the client after the target's prefill alone."""
+        window = self.engine.draft_prefill_window
+        if self._policy is not None and self._policy.backing_off:
+            window = 0  # speculation does not pay at this batch size now: the drafter starts from later pairs
+        done = torch.tensor([r.done for r in group])
+        pairs = torch.tensor([len(r.request.prompt_ids) - 1 for r in group])
+        d_cnt = (pairs - done).clamp(0, t)
+        skip = torch.zeros_like(d_cnt) if window is None else ((pairs - window) - done).clamp(min=0).minimum(d_cnt)
+        cnt = d_cnt - skip
+        if int(cnt.max()) == 0:
+            return None
+        pair_ids, pair_aux = ids[:, 1 : t + 1], aux
+        if int(skip.max()) > 0:  # shift each row so its first kept pair comes first
+            idx = (skip[:, None] + torch.arange(t)).clamp(max=t - 1).to(ids.device)
+            pair_ids = pair_ids.gather(1, idx)
+            pair_aux = aux.gather(1, idx[:, :, None].expand(-1, -1, aux.shape[-1]))
+        return slots, pair_ids, pair_aux, cnt, t
+
+    def _run_deferred_extend(self) -> None:
+        pending, self._deferred_extend = self._deferred_extend, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        slots, pair_ids, pair_aux, cnt, t = pending
+        alive = torch.tensor([bool(self.dcache.in_use[s]) for s in slots.tolist()])
+        self.engine.proposer.extend(self.dcache, slots, pair_ids, pair_aux, cnt * alive, chunk=t)
+        self.stats.time_prefill += time.perf_counter() - t0
 
     # -- one decoding step -----------------------------------------------------------------------
     def _decode(self) -> list[list[int]]:
@@ -371,7 +404,7 @@ class EngineCore:
             if chains is not None:
                 policy.acceptance.observe_ngram(*_ngram_hits(chains, out))
             shape = (plan.top_k, depth, n_draft) if speculate else None
-            policy.observe(speculate, sum(len(o) for o in out), t3 - t0, shape)
+            policy.observe(speculate, sum(len(o) for o in out), t3 - t0, shape, rows=b)
         self.last_shape = (plan.top_k, depth, n_draft) if speculate else (0, 0, 0)
         self.state = new_state
         for stats in [self.stats] + [r.stats for r in rows]:
@@ -487,15 +520,24 @@ def _cat_state(a: dict, b: dict) -> dict:
     return out
 
 
-def _append_pending(state: dict, aux: torch.Tensor, token: torch.Tensor) -> dict:
-    """Add one (aux state, next token) pair after each row's pending pairs."""
+def _append_pending(state: dict, aux: torch.Tensor, token: torch.Tensor, keep: int = PENDING_PAIRS_MAX) -> dict:
+    """Add one (aux state, next token) pair after each row's pending pairs, keeping each row's last
+    `keep`: after a long run of plain steps the drafter catches up on the recent pairs only (a gap in
+    its context, like the prefill window), so the catch-up forward stays small at any batch size."""
     ids, pend_aux, cnt = state["ids"], state["aux"], state["cnt"]
     ids = torch.nn.functional.pad(ids, (0, 1))
     pend_aux = torch.nn.functional.pad(pend_aux, (0, 0, 0, 1))
     rows = torch.arange(ids.shape[0], device=ids.device)
     ids[rows, cnt] = token
     pend_aux[rows, cnt] = aux
-    return {"ids": ids, "aux": pend_aux, "cnt": cnt + 1}
+    cnt = cnt + 1
+    if ids.shape[1] > keep:
+        first = (cnt - keep).clamp(min=0)
+        idx = (first[:, None] + torch.arange(keep, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        ids = ids.gather(1, idx)
+        pend_aux = pend_aux.gather(1, idx[:, :, None].expand(-1, -1, pend_aux.shape[-1]))
+        cnt = cnt.clamp(max=keep)
+    return {"ids": ids, "aux": pend_aux, "cnt": cnt}
 
 
 def _select_state(state: dict, keep: list[int]) -> dict:

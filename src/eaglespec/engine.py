@@ -29,6 +29,7 @@ AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
 AUTO_MAX_DEPTH = 8
 AUTO_MAX_NODES = 48
 NGRAM_MAX = 8  # most tokens copied from the context per step
+DRAFT_PREFILL_WINDOW = 128  # prompt pairs fed to the drafter at prefill (None: all); BENCHMARKS §10
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Engine:
         confidence: float = 0.0,
         ngram_tokens: int | None = None,
         synthetic_acceptance: list[float] | None = None,
+        draft_prefill_window: int | None = DRAFT_PREFILL_WINDOW,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -113,6 +115,9 @@ class Engine:
         # benchmarks only: accept by a given per-position profile instead of the target (not lossless)
         self.synthetic_acceptance = list(synthetic_acceptance) if synthetic_acceptance else None
         self.confidence = confidence
+        if draft_prefill_window is not None and (not isinstance(draft_prefill_window, int) or draft_prefill_window < 1):
+            raise ValueError(f"draft_prefill_window must be a positive integer or None, got {draft_prefill_window!r}")
+        self.draft_prefill_window = draft_prefill_window
         if ngram_tokens is None:
             ngram_tokens = NGRAM_MAX if mode == "auto" else 0
         if not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= NGRAM_MAX:
@@ -175,6 +180,16 @@ class Engine:
                     r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return BatchOutput(results, total)
 
+    def prepare_policies(self, max_batch: int) -> list[int]:
+        """Load or measure the step costs of every batch bucket up to max_batch now (a server does this
+        at startup, so no request waits on a calibration); returns the buckets."""
+        buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length())] + [max_batch]
+        buckets = sorted({min(b, max_batch) for b in buckets})
+        if self.drafter is not None:
+            for b in buckets:
+                self._policy_for(b)
+        return buckets
+
     def _policy_for(self, batch: int) -> Policy | None:
         if self.drafter is None:
             return None
@@ -187,8 +202,9 @@ class Engine:
                 policy = Policy(None, widths=(self.shape.top_k,), max_depth=self.shape.depth, adaptive=self.adaptive)
             self._policies[batch] = policy
         policy = self._policies[batch]
-        if policy.costs is not None and policy.calibration_suspect():
+        if policy.costs is not None and not policy.recalibrated and policy.calibration_suspect():
             policy.costs = load_or_calibrate(self.target, self.drafter, batch, force=True)
             policy.ratios.clear()
+            policy.recalibrated = True
         policy.adaptive = self.adaptive
         return policy

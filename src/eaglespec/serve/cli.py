@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 
@@ -52,6 +53,11 @@ def build_server(args):
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")
     name = args.served_model_name or Path(target).resolve().name
+    if engine.drafter is not None and engine.mode == "auto":
+        t0 = time.perf_counter()
+        buckets = engine.prepare_policies(args.max_num_seqs)  # cached on disk after the first start
+        print(f"[eaglespec] speculation costs ready for batch sizes {buckets} ({time.perf_counter() - t0:.1f} s)",
+              file=sys.stderr)  # fmt: skip
     core_engine = AsyncEngine(engine, ServerMetrics(name), max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               kv_budget_tokens=args.kv_budget_tokens, max_queue=args.max_queue)  # fmt: skip

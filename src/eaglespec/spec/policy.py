@@ -148,6 +148,7 @@ class Policy:
         self.overhead_spec = 0.0
         self.overhead_plain = 0.0
         self.ratios: list[float] = []  # measured / calibrated step time, to notice a stale calibration
+        self.recalibrated = False  # at most once: a machine that stays far from any calibration is busy
 
     # -- before a step ---------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
@@ -161,6 +162,11 @@ class Policy:
                 return None
         self.width = self._pick_width()
         return StepPlan(self.width, self.max_depth)
+
+    @property
+    def backing_off(self) -> bool:
+        """In a run of plain steps because speculation measured slower (not a short plain-rate probe)."""
+        return self.adaptive and self.plain_left > 2
 
     def _pick_width(self) -> int:
         if len(self.widths) == 1:
@@ -234,12 +240,16 @@ class Policy:
         return not 0.5 <= mid <= 2.0
 
     # -- after a step ----------------------------------------------------------------------------
-    def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None):
-        """After a step: `tokens` emitted over all rows in `seconds`; shape = (width, depth, nodes)."""
+    def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None,
+                rows: int | None = None):  # fmt: skip
+        """After a step: `tokens` emitted over all rows in `seconds`; shape = (width, depth, nodes);
+        rows: the step's batch size (None: the calibrated one). A policy serves a bucket of batch sizes,
+        so only steps at the calibrated size say whether the calibration is stale."""
         rate = tokens / max(seconds, 1e-9)
         predicted = self.predicted_seconds(shape if speculated else None)
         if predicted is not None and (shape is not None or not speculated):
-            self.ratios.append(seconds / predicted)
+            if rows is None or rows == self.costs.batch:
+                self.ratios.append(seconds / predicted)
             extra = max(0.0, seconds - predicted)
             if speculated:
                 self.overhead_spec = (1 - self.ema) * self.overhead_spec + self.ema * extra
