@@ -53,6 +53,7 @@ def test_streaming_prints_text_and_summary(toy, capsys):
         (["--prompt", "x", "--top-k", "-2"], "top_k"),
         (["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
         (["--prompt", "x", "--batch-size", "0"], "batch_size"),
+        (["--prompt", "x", "--draft-prefill-window", "-3"], "prefill window"),
         (["--input", "/nonexistent.jsonl"], "does not exist"),
         ([], "--prompt"),
     ],

@@ -40,11 +40,13 @@ def load_engine(
     dtype: str = "auto",
     adaptive: bool = True,
     confidence: float = 0.0,
+    draft_prefill_window: int | None = None,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
 
     dtype "auto" picks the fastest lossless precision for the device (models/precision.py); the
-    choice and its reason are in `engine.precision`."""
+    choice and its reason are in `engine.precision`. draft_prefill_window: the last N prompt tokens
+    the drafter reads at prefill (None: the engine default, 0: the whole prompt)."""
     import torch
 
     from .models.checkpoint import read_config
@@ -62,6 +64,11 @@ def load_engine(
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
     engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
                     adaptive=adaptive, confidence=confidence)  # fmt: skip
+    if draft_prefill_window is not None:
+        if not isinstance(draft_prefill_window, int) or draft_prefill_window < 0:
+            raise ValueError(f"the drafter's prefill window must be an integer >= 0 (0: whole prompt), "
+                             f"got {draft_prefill_window!r}")  # fmt: skip
+        engine.draft_prefill_window = draft_prefill_window or None
     engine.precision = (dtype, why)
     return engine
 

@@ -37,6 +37,8 @@ def _add_generate(sub):
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
+    p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
+                   help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="fixed shapes: stop drafting below this cumulative draft probability (auto sets its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -77,7 +79,8 @@ def cmd_generate(args) -> int:
     depth = spec["tree_depth"] or (AUTO_MAX_DEPTH if spec["mode"] == "auto" else 4)
     tree = TreeShape(depth, spec["tree_topk"], spec["tree_tokens"])
     engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
-                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence)  # fmt: skip
+                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
+                         draft_prefill_window=args.draft_prefill_window)  # fmt: skip
     dtype, why = engine.precision
     print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
     if engine.drafter is not None:
