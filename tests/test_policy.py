@@ -263,3 +263,19 @@ def test_backing_off_only_in_a_real_plain_run():
     assert policy.backing_off
     policy.adaptive = False
     assert not policy.backing_off
+
+
+def test_auto_precision_falls_back_to_fp32_when_verification_rounds_unlike_plain(tmp_path, monkeypatch):
+    from eaglespec.api import load_engine
+    from eaglespec.models import precision
+
+    target, _, path = tiny_target(tmp_path)
+    assert precision.tree_plain_gap(target) <= precision.MAX_TREE_PLAIN_GAP  # fp32: same logits to ~1e-6
+    monkeypatch.setattr(precision, "choose_dtype", lambda *a, **k: ("bf16", "faster in this test"))
+    monkeypatch.setattr(precision, "tree_plain_gap", lambda t: 0.0)
+    assert load_engine(path, dtype="auto").precision[0] == "bf16"
+    monkeypatch.setattr(precision, "tree_plain_gap", lambda t: 0.06)
+    dtype, why = load_engine(path, dtype="auto").precision
+    assert dtype == "fp32" and "differ from plain steps by 0.06" in why
+    assert next(load_engine(path, dtype="auto").target.parameters()).dtype == torch.float32
+    assert load_engine(path, dtype="bf16").precision == ("bf16", "faster in this test")  # explicit: no check

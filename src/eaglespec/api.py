@@ -29,6 +29,29 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "auto"):
+    """(target, dtype, reason). dtype "auto": the fastest precision for the device (models/precision.py),
+    kept only if a token's logits in a verification forward match its plain step's there (else fp32),
+    so greedy speculation stays identical to plain decoding."""
+    from .models.checkpoint import read_config
+    from .models.fast_linear import prepare_for_inference
+    from .models.precision import MAX_TREE_PLAIN_GAP, choose_dtype, tree_plain_gap
+
+    raw = read_config(target)
+    dims = {"hidden": raw.get("hidden_size", 1024), "intermediate": raw.get("intermediate_size", 4096),
+            "vocab": raw.get("vocab_size", 32000)}  # fmt: skip
+    chosen, why = choose_dtype(device, dtype, **dims)
+    tgt = load_target(target, device=device, dtype=chosen)
+    if dtype == "auto" and chosen != "fp32":
+        gap = tree_plain_gap(prepare_for_inference(tgt))
+        if gap > MAX_TREE_PLAIN_GAP:  # faster, but verification would round unlike plain steps
+            why = (f"{chosen} was faster ({why}) but its verification logits differ from plain steps by "
+                   f"{gap:.3g} on this machine, which changes greedy tokens")  # fmt: skip
+            chosen = "fp32"
+            tgt = load_target(target, device=device, dtype=chosen)
+    return tgt, chosen, why
+
+
 def load_engine(
     target: str | os.PathLike,
     draft: str | os.PathLike | None = None,
@@ -49,16 +72,9 @@ def load_engine(
     the drafter reads at prefill (None: the engine default, 0: the whole prompt)."""
     import torch
 
-    from .models.checkpoint import read_config
-    from .models.precision import choose_dtype
-
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
-    raw = read_config(target)
-    dims = {"hidden": raw.get("hidden_size", 1024), "intermediate": raw.get("intermediate_size", 4096),
-            "vocab": raw.get("vocab_size", 32000)}  # fmt: skip
-    dtype, why = choose_dtype(device, dtype, **dims)
-    tgt = load_target(target, device=device, dtype=dtype)
+    tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype)
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)

@@ -19,7 +19,6 @@ import torch
 
 from ..api import load_tokenizer, stop_ids_for
 from ..engine import AUTO_MAX_DEPTH, AUTO_MAX_NODES, AUTO_WIDTHS, Engine, Request
-from ..models.checkpoint import load_target
 from ..models.drafter import load_drafter
 from ..sampling import SamplingParams
 from ..spec.proposer import TreeShape
@@ -158,13 +157,9 @@ class Models:
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
-    from ..models.checkpoint import read_config
-    from ..models.precision import choose_dtype
+    from ..api import load_target_for_speculation
 
-    raw = read_config(target_dir)
-    dtype, _why = choose_dtype("cpu", dtype, hidden=raw.get("hidden_size", 1024),
-                               intermediate=raw.get("intermediate_size", 4096), vocab=raw.get("vocab_size", 32000))
-    target = load_target(target_dir, dtype=dtype)
+    target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype)
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype)

@@ -94,3 +94,33 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
     detail = (f"{'+'.join(native)}; measured on the model's shapes, 1 / 17 tokens: fp32 {f32 * 1e3:.2f} / "
               f"{f32_17 * 1e3:.2f} ms, bf16 {b16 * 1e3:.2f} / {b16_17 * 1e3:.2f} ms")  # fmt: skip
     return choice, detail
+
+
+# Largest |logit difference| between a token's plain step and its verification forward that `--dtype
+# auto` accepts. fp32 on the bundled target measures ~4e-6 (summation order inside attention), which
+# never flipped a greedy token in the suites; bf16 on AVX-512 BF16 measures 0.06 and flipped 3 of 24
+# prompts (BENCHMARKS §9), so auto falls back to fp32 there.
+MAX_TREE_PLAIN_GAP = 1e-4
+
+
+@torch.inference_mode()
+def tree_plain_gap(target, *, prompt_len: int = 40, tree_len: int = 17, seed: int = 0) -> float:
+    """Max |logit difference| for one token between a one-token plain step and the first position of a
+    `tree_len`-token verification forward, with this target's loaded precision and kernels. Greedy
+    speculation equals plain decoding only while this is far below the gaps between top logits;
+    rounding that depends on the number of rows (GEMM or attention blocking) makes it large."""
+    from ..spec.proposer import causal_mask
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.cfg.vocab_size, (1, prompt_len + tree_len), generator=g)
+    ids = ids.to(next(target.parameters()).device)
+    cache = target.new_cache(1, max_length=prompt_len + tree_len + 1)
+    meta = cache.prepare(None, causal_mask(torch.tensor([prompt_len]), prompt_len))
+    target(ids[:, :prompt_len], meta.write_pos, cache, meta, capture_aux=False)
+    cache.commit(None, torch.tensor([prompt_len]))
+    logits = []
+    for t in (1, tree_len):
+        meta = cache.prepare(None, causal_mask(torch.tensor([t]), t))
+        h, _ = target(ids[:, prompt_len : prompt_len + t], meta.write_pos, cache, meta, capture_aux=False)
+        logits.append(target.logits(h[:, :1]).float())  # the first new token; nothing is committed
+    return float((logits[0] - logits[1]).abs().max())
