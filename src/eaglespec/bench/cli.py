@@ -9,6 +9,9 @@ from pathlib import Path
 MISMATCH_EXIT = 3  # the lossless check failed (report written); 2 = bad input, as for every command
 
 
+SWEEP_KINDS = ("plain", "auto", "chain", "tree")  # our engine methods; peers are not swept
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -202,7 +205,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
         fits = [n for n in lengths if n + args.max_new_tokens <= max_len]
         longs = tokenize_suite(load_suite("long_context"), "long_context", models.tokenizer)
         by_length = sweeps.context_prompts(longs, fits, parse_limit(args.limit, 1) or len(longs))
-        methods = engine_methods(models, [k for k in kinds if k in ("plain", "chain", "tree")], tree=tree,
+        methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
                                  chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
         result = sweeps.sweep_context(methods, by_length, cfg, log)
     else:
@@ -211,7 +214,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
         pool = [p for items in prompts.values() for p in items]
         if sweep == "batch":
             sizes = sweeps.parse_values(args.sweep_values, sweeps.BATCH_SIZES, "batch")
-            methods = engine_methods(models, [k for k in kinds if k in ("plain", "chain", "tree")], tree=tree,
+            methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
                                      chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
             result = sweeps.sweep_batch(methods, pool, cfg, sizes, log)
         else:
