@@ -129,7 +129,8 @@ def test_drafter_prefill_window_feeds_the_last_pairs_and_stays_lossless(engine, 
 
 def test_drafter_prefill_window_is_validated(engine):
     with pytest.raises(ValueError, match="draft_prefill_window"):
-        Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=0)
+        Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=-1)
+    assert Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=0).draft_prefill_window is None
 
 
 def test_pending_drafter_pairs_keep_each_rows_latest_in_order():

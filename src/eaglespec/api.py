@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from .engine import BatchOutput, Engine, Request
+from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
 from .models.checkpoint import CheckpointError, load_target
 from .models.drafter import load_drafter
 from .sampling import SamplingParams
@@ -78,13 +78,9 @@ def load_engine(
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
+    window = DRAFT_PREFILL_WINDOW if draft_prefill_window is None else draft_prefill_window
     engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
-                    adaptive=adaptive, confidence=confidence)  # fmt: skip
-    if draft_prefill_window is not None:
-        if not isinstance(draft_prefill_window, int) or draft_prefill_window < 0:
-            raise ValueError(f"the drafter's prefill window must be an integer >= 0 (0: whole prompt), "
-                             f"got {draft_prefill_window!r}")  # fmt: skip
-        engine.draft_prefill_window = draft_prefill_window or None
+                    adaptive=adaptive, confidence=confidence, draft_prefill_window=window)  # fmt: skip
     engine.precision = (dtype, why)
     return engine
 

@@ -115,9 +115,10 @@ class Engine:
         # benchmarks only: accept by a given per-position profile instead of the target (not lossless)
         self.synthetic_acceptance = list(synthetic_acceptance) if synthetic_acceptance else None
         self.confidence = confidence
-        if draft_prefill_window is not None and (not isinstance(draft_prefill_window, int) or draft_prefill_window < 1):
-            raise ValueError(f"draft_prefill_window must be a positive integer or None, got {draft_prefill_window!r}")
-        self.draft_prefill_window = draft_prefill_window
+        if draft_prefill_window is not None and (not isinstance(draft_prefill_window, int) or draft_prefill_window < 0):
+            raise ValueError(f"the drafter's prefill window (draft_prefill_window) must be an integer >= 0 "
+                             f"(0 or None: the whole prompt), got {draft_prefill_window!r}")  # fmt: skip
+        self.draft_prefill_window = draft_prefill_window or None
         if ngram_tokens is None:
             ngram_tokens = NGRAM_MAX if mode == "auto" else 0
         if not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= NGRAM_MAX:
