@@ -26,7 +26,7 @@ def _args(**over) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
     args = p.parse_args(["serve", "--port", "0", "--dtype", "fp32", "--mode", "tree", "--max-num-seqs", "4",
-                          "--no-adaptive"])  # always speculate: acceptance is on every response
+                          "--no-adaptive", "--compile", "off"])  # always speculate: acceptance is on every response
     for k, v in over.items():
         setattr(args, k, v)
     return args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
@@ -64,12 +65,16 @@ def load_engine(
     adaptive: bool = True,
     confidence: float = 0.0,
     draft_prefill_window: int | None = None,
+    compile: str = "off",
+    expected_tokens: int | None = None,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
 
     dtype "auto" picks the fastest lossless precision for the device (models/precision.py); the
     choice and its reason are in `engine.precision`. draft_prefill_window: the last N prompt tokens
-    the drafter reads at prefill (None: the engine default, 0: the whole prompt)."""
+    the drafter reads at prefill (None: the engine default, 0: the whole prompt). compile: "on",
+    "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
+    the choice and its reason are in `engine.compiled`."""
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -82,7 +87,63 @@ def load_engine(
     engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
                     adaptive=adaptive, confidence=confidence, draft_prefill_window=window)  # fmt: skip
     engine.precision = (dtype, why)
+    engine.compiled = choose_compile(engine, compile, expected_tokens)
     return engine
+
+
+COMPILE_MEASURE_MIN_TOKENS = 20_000  # a job this big may pay for measuring compile (tens of seconds)
+
+
+def choose_compile(engine: Engine, requested: str, expected_tokens: int | None = None) -> tuple[bool, str]:
+    """Compile the engine's models or not (models/compiled.py); returns (compiled, reason). "auto" uses
+    the measurement cached for this machine and models, measuring it first when the job can pay for that."""
+    from .models import compiled
+    from .models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
+    from .spec.costs import cache_key, load_or_calibrate
+
+    if requested not in compiled.CHOICES:
+        raise ValueError(f"--compile must be one of {', '.join(compiled.CHOICES)}, got {requested!r}")
+    if requested == "off":
+        return False, "eager (requested)"
+    models = [m for m in (engine.target, engine.drafter) if m is not None]
+    if all(compiled.is_compiled(m) for m in models):
+        return True, "compiled (these models were compiled before)"
+    key = cache_key(engine.target, engine.drafter, 1)
+    if requested == "on":
+        why = "compiled (requested)"
+    else:
+        verdict = compiled.read_verdicts().get(key)
+        if isinstance(verdict, dict) and "failed" in verdict:
+            return False, f"eager (compiling failed here before: {verdict['failed']})"
+        if not compiled.valid_verdict(verdict):
+            if expected_tokens is not None and expected_tokens < COMPILE_MEASURE_MIN_TOKENS:
+                return False, (f"eager (compiling is not measured on this machine yet and {expected_tokens} "
+                               "tokens would not pay for it; a longer job, `eaglespec serve` or `--compile on` "
+                               "measures it)")  # fmt: skip
+            eager_step = load_or_calibrate(engine.target, engine.drafter, 1).verify_cost(1)
+            t0 = time.perf_counter()
+            failure = compiled.try_compiled(models, engine.exercise)
+            if failure:
+                compiled.write_verdict(key, {"failed": failure})
+                return False, failure
+            compile_s = time.perf_counter() - t0
+            compiled_step = load_or_calibrate(engine.target, engine.drafter, 1).verify_cost(1)
+            verdict = {"eager_step_s": eager_step, "compiled_step_s": compiled_step, "compile_s": compile_s}
+            compiled.write_verdict(key, verdict)
+        use, why = compiled.decide(verdict, expected_tokens)
+        if not use:
+            for m in models:
+                compiled.uncompile(m)
+            return False, why
+    failure = compiled.try_compiled(models, engine.exercise)
+    if failure:
+        return False, failure
+    gap = tree_plain_gap(engine.target)
+    if gap > MAX_TREE_PLAIN_GAP:  # the compiled kernels round a verification unlike a plain step
+        for m in models:
+            compiled.uncompile(m)
+        return False, f"eager (compiled verification logits differ from plain steps by {gap:.3g} here)"
+    return True, why
 
 
 def stop_ids_for(engine: Engine) -> tuple[int, ...]:

@@ -35,6 +35,9 @@ def _add_generate(sub):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the forwards: auto (default) where measured faster here and the job pays "
+                        "for compiling (models/compiled.py)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
@@ -78,18 +81,20 @@ def cmd_generate(args) -> int:
     spec, source = generate_settings(args, target, draft)
     depth = spec["tree_depth"] or (AUTO_MAX_DEPTH if spec["mode"] == "auto" else 4)
     tree = TreeShape(depth, spec["tree_topk"], spec["tree_tokens"])
-    engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
-                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
-                         draft_prefill_window=args.draft_prefill_window)  # fmt: skip
-    dtype, why = engine.precision
-    print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
-    if engine.drafter is not None:
-        print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)
     if args.prompt is not None:
         item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
         items = [item]
     else:
         items = read_jsonl(args.input)
+    engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
+                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
+                         draft_prefill_window=args.draft_prefill_window, compile=args.compile,
+                         expected_tokens=len(items) * args.max_new_tokens)  # fmt: skip
+    dtype, why = engine.precision
+    print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
+    print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
+    if engine.drafter is not None:
+        print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)
     prompts = parse_inputs(items, engine.tokenizer, where="--prompt" if args.prompt is not None else args.input)
     stream = len(prompts) == 1 and not args.json and not args.no_stream and engine.tokenizer is not None
     printed = [""]

@@ -181,6 +181,25 @@ class Engine:
                     r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return BatchOutput(results, total)
 
+    def exercise(self, batch_sizes=(1,)) -> None:
+        """Run every kind of step once on random prompts (prefill, plain steps with and without the
+        drafter's state capture, drafter extend and tree levels, verification; uniform and ragged batches
+        with rows leaving early), so that compiled graphs (models/compiled.py) are built now rather than
+        inside a user's request. Output is discarded; policies and statistics are not touched."""
+        g = torch.Generator().manual_seed(0)
+        vocab = self.target.cfg.vocab_size
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 23)]
+        engines = [Engine(self.target, None, mode="off", max_length=self.max_length)]
+        if self.drafter is not None:
+            engines += [Engine(self.target, self.drafter, mode="tree", tree=TreeShape(3, 2, 4),
+                               max_length=self.max_length, draft_prefill_window=8),
+                        Engine(self.target, self.drafter, mode="chain", chain_k=2,
+                               max_length=self.max_length)]  # fmt: skip
+        for engine in engines:
+            for b in batch_sizes:
+                reqs = [Request(p, max_new_tokens=6 + 6 * i) for i, p in enumerate(prompts[:b])]
+                engine.generate(reqs, batch_size=b)
+
     def prepare_policies(self, max_batch: int) -> list[int]:
         """Load or measure the step costs of every batch bucket up to max_batch now (a server does this
         at startup, so no request waits on a calibration); returns the buckets."""

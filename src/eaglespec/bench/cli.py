@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chain-k", type=int, default=4)
     p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
     p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile our forwards: auto (default) where measured faster here (models/compiled.py)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
@@ -121,7 +123,7 @@ def cmd_bench(args) -> int:
     from ..spec.proposer import TreeShape
     from . import report as rep
     from .hardware import bandwidth_reference
-    from .methods import build_methods, load_models, parse_kinds, use_synthetic_acceptance
+    from .methods import build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance
     from .metrics import add_bandwidth_share
     from .runner import RunConfig, describe_mismatches, run_bench
     from .suites import load_prompts, parse_categories
@@ -154,6 +156,8 @@ def cmd_bench(args) -> int:
     tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
     models = load_models(target, drafts, args.dtype)
+    _, why = compile_models(models, args.compile)
+    log(f"[bench] forwards: {why}")
     cfg = RunConfig(args.max_new_tokens, args.batch_size, params)
     out = Path(args.out)
     from_shell = sys.argv[0].endswith("eaglespec")
@@ -178,7 +182,7 @@ def cmd_bench(args) -> int:
         report = run_bench(methods, prompts, cfg, log)
         add_bandwidth_share(report["results"], memory["read_gb_s"])
         report.update(target=str(target), drafts=[str(d) for d in drafts], skipped=skipped, command=command,
-                      memory_bandwidth=memory, synthetic_acceptance=profile,
+                      memory_bandwidth=memory, synthetic_acceptance=profile, forwards=models.compiled,
                       shape=describe(args.shape) if args.shape else None)  # fmt: skip
         files = rep.write_bench(report, out)
         print(rep.bench_markdown(report))
@@ -220,7 +224,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
         else:
             grid = sweeps.parse_grid(args.grid, sweeps.QUICK_GRID if args.auto else sweeps.FULL_GRID)
             result = sweeps.sweep_tree(models, pool, cfg, grid, log)
-    result.update(target=str(models.target_dir), command=command, config={
+    result.update(target=str(models.target_dir), command=command, forwards=models.compiled, config={
         "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "temperature": cfg.params.temperature})
     files = rep.write_sweep(result, out)
     print(rep.sweep_markdown(result))

@@ -154,6 +154,7 @@ class Models:
     tokenizer: object
     drafters: list[tuple[str, Path, object]]  # (label, path, Eagle3Drafter)
     dtype: str = "fp32"
+    compiled: str = "eager"
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
@@ -163,6 +164,22 @@ def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype)
+
+
+def compile_models(models: Models, requested: str) -> tuple[bool, str]:
+    """Compile the shared target and every drafter (models/compiled.py) as `requested` ("auto": where
+    measured faster on this machine; a benchmark is long-lived). Returns (compiled, reason)."""
+    from ..api import choose_compile
+
+    engines = [Engine(models.target, d, mode="auto") for _, _, d in models.drafters] or \
+        [Engine(models.target, None, mode="off")]  # fmt: skip
+    use, why = choose_compile(engines[0], requested)
+    for engine in engines[1:] if use else []:
+        ok, reason = choose_compile(engine, "on")
+        if not ok:
+            raise RuntimeError(f"compiling a second drafter failed after the first worked: {reason}")
+    models.compiled = why
+    return use, why
 
 
 def plain_method(models: Models) -> EngineMethod:

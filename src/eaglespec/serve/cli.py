@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
                    help="always speculate (default: plain steps while speculation measures slower)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the forwards: auto (default) where measured faster on this machine; "
+                        "compiling happens at startup (models/compiled.py)")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
                    help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoding at once (default 8)")
@@ -52,7 +55,8 @@ def build_server(args):
     target, draft = _resolve_models(args)
     engine = load_engine(target, draft if args.mode != "off" else None, mode=args.mode, device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive,
-                         draft_prefill_window=args.draft_prefill_window)  # fmt: skip
+                         draft_prefill_window=args.draft_prefill_window, compile=args.compile)  # fmt: skip
+    print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")
     name = args.served_model_name or Path(target).resolve().name

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..machine import best_seconds, cache_dir, cpu_name
+from ..models.compiled import is_compiled
 
 VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
@@ -98,6 +99,7 @@ def cache_key(target, drafter, batch: int) -> str:
         "torch": torch.__version__,
         "device": str(p.device),
         "dtype": str(p.dtype),
+        "compiled": is_compiled(target),
         "batch": batch,
         "target": _model_signature(target),
         "drafter": _model_signature(drafter) if drafter is not None else None,
