@@ -123,7 +123,7 @@ def cmd_bench(args) -> int:
     from ..spec.proposer import TreeShape
     from . import report as rep
     from .hardware import bandwidth_reference
-    from .methods import build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance
+    from .methods import OUR_KINDS, build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance
     from .metrics import add_bandwidth_share
     from .runner import RunConfig, describe_mismatches, run_bench
     from .suites import load_prompts, parse_categories
@@ -156,7 +156,8 @@ def cmd_bench(args) -> int:
     tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
     models = load_models(target, drafts, args.dtype)
-    _, why = compile_models(models, args.compile)
+    per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
+    _, why = compile_models(models, args.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
     log(f"[bench] forwards: {why}")
     cfg = RunConfig(args.max_new_tokens, args.batch_size, params)
     out = Path(args.out)

@@ -166,14 +166,14 @@ def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype)
 
 
-def compile_models(models: Models, requested: str) -> tuple[bool, str]:
-    """Compile the shared target and every drafter (models/compiled.py) as `requested` ("auto": where
-    measured faster on this machine; a benchmark is long-lived). Returns (compiled, reason)."""
+def compile_models(models: Models, requested: str, expected_tokens: int) -> tuple[bool, str]:
+    """Compile the shared target and every drafter (models/compiled.py) as `requested` ("auto": as
+    `generate` would for a job of `expected_tokens`). Returns (compiled, reason)."""
     from ..api import choose_compile
 
     engines = [Engine(models.target, d, mode="auto") for _, _, d in models.drafters] or \
         [Engine(models.target, None, mode="off")]  # fmt: skip
-    use, why = choose_compile(engines[0], requested)
+    use, why = choose_compile(engines[0], requested, expected_tokens)
     for engine in engines[1:] if use else []:
         ok, reason = choose_compile(engine, "on")
         if not ok:
