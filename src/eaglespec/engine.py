@@ -181,7 +181,7 @@ class Engine:
                     r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return BatchOutput(results, total)
 
-    def exercise(self, batch_sizes=(1,)) -> None:
+    def exercise(self, batch_sizes=(1, 2)) -> None:
         """Run every kind of step once on random prompts (prefill, plain steps with and without the
         drafter's state capture, drafter extend and tree levels, verification; uniform and ragged batches
         with rows leaving early), so that compiled graphs (models/compiled.py) are built now rather than

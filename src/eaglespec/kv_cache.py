@@ -74,6 +74,9 @@ class KVCache:
         shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for t in new_k + new_v:  # compiled forwards (models/compiled.py): slots and capacity change size
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
         if self.k:  # keep what is stored (growth is amortised: capacity at least doubles)
             s, c = self.k[0].shape[0], self.capacity
             for old, new in zip(self.k + self.v, new_k + new_v):
