@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .machine import COMPILE_HELP
+
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text with speculative decoding (or plain with --mode off)")
@@ -35,9 +37,8 @@ def _add_generate(sub):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the forwards: auto (default) where measured faster here and the job pays "
-                        "for compiling (models/compiled.py)")
+    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                   help=COMPILE_HELP)
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",

@@ -8,6 +8,10 @@ import platform
 import time
 from pathlib import Path
 
+COMPILE_HELP = ("torch.compile the forwards (models/compiled.py): off (default: on 2 cores compiling takes minutes "
+                "the first time and new step shapes recompile mid-request, BENCHMARKS.md section 9), on, or auto "
+                "(compile where a measurement on this machine says it pays)")
+
 
 def _cpuinfo_field(name: str) -> str | None:
     try:

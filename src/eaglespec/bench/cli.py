@@ -6,6 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..machine import COMPILE_HELP
+
 MISMATCH_EXIT = 3  # the lossless check failed (report written); 2 = bad input, as for every command
 
 
@@ -39,8 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chain-k", type=int, default=4)
     p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
     p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile our forwards: auto (default) where measured faster here (models/compiled.py)")
+    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                   help=COMPILE_HELP)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..machine import COMPILE_HELP
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming, vLLM metrics)")
@@ -19,9 +21,8 @@ def add_parser(sub) -> None:
                    help="always speculate (default: plain steps while speculation measures slower)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the forwards: auto (default) where measured faster on this machine; "
-                        "compiling happens at startup (models/compiled.py)")
+    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                   help=COMPILE_HELP)
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
                    help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoding at once (default 8)")
