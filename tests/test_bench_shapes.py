@@ -153,3 +153,17 @@ def test_bandwidth_is_cached_per_cpu_threads_and_torch(fake_bandwidth, tmp_path,
 
 def test_real_measurement_is_positive_on_a_small_buffer():
     assert hardware.measure_read_bandwidth(nbytes=1 << 22, repeats=2) > 0.1
+
+
+def test_gguf_source_links_the_shape_and_adds_the_bundled_tokenizer(tmp_path):
+    """llama.cpp's converter needs a tokenizer; a shape with the bundled vocabulary size borrows it."""
+    target = tmp_path / "qwen2-365m" / "target"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({"vocab_size": 8192}))
+    (target / "model.safetensors").write_bytes(b"weights")
+    src = shapes.gguf_source("qwen2-365m", target)
+    assert (src / "model.safetensors").is_symlink() and (src / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((src / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert shapes.gguf_source("qwen2-365m", target) == src  # a second call reuses it
+    with pytest.raises(ValueError, match="tokenizer with 128256 entries"):
+        shapes.gguf_source("llama-3.2-1b", target)

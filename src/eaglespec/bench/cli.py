@@ -104,9 +104,10 @@ def check_shape_args(args, kinds: list[str], profile) -> list[str]:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
     if args.methods is None:
         return ["plain", "chain", "tree"]
-    other = [k for k in kinds if k not in OUR_KINDS]
+    other = [k for k in kinds if k not in OUR_KINDS and k != "llamacpp_plain"]
     if other:
-        raise ValueError(f"--shape has no tokenizer or stop ids for peers {other}; use --methods plain,chain,tree")
+        raise ValueError(f"--shape runs random token ids without a tokenizer: peers {other} cannot run on it; "
+                         "use --methods plain,chain,tree,llamacpp_plain")  # fmt: skip
     return kinds if "plain" in kinds else ["plain", *kinds]  # plain is the baseline of every speedup
 
 
@@ -178,7 +179,13 @@ def cmd_bench(args) -> int:
         else:
             prompts, skipped = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 4),
                                             max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip
-        methods = build_methods(kinds, models, tree=tree, chain_k=args.chain_k, adaptive=not args.no_adaptive)
+        source = None
+        if args.shape and "llamacpp_plain" in kinds:
+            from .shapes import gguf_source
+
+            source = gguf_source(args.shape, target)
+        methods = build_methods(kinds, models, tree=tree, chain_k=args.chain_k, adaptive=not args.no_adaptive,
+                                gguf_source=source)  # fmt: skip
         if profile:
             use_synthetic_acceptance(methods, profile)
         memory = bandwidth_reference()  # measured once per machine and thread count, then cached

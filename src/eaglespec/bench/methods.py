@@ -30,6 +30,7 @@ ALL_KINDS = OUR_KINDS + PEER_KINDS
 SPEC_KINDS = ("auto", "chain", "tree")
 LLAMACPP_KINDS = ("llamacpp_plain", "llamacpp_eagle3")  # opt-in (not in "all"): needs scripts/llamacpp/build.sh
 ASSISTANT_LAYERS = 2
+RANDOM_WEIGHTS = "random weights, near-tied logits"  # why --shape peers are left out of the lossless check
 PROMPT_LOOKUP_TOKENS = 10  # the value transformers' docs use
 # transformers' defaults for assisted generation, passed explicitly so the report states them
 ASSISTED_SETTINGS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
@@ -230,9 +231,10 @@ def engine_methods(models: Models, kinds: list[str], *, tree: TreeShape, chain_k
     return methods
 
 
-def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k: int,
-                  adaptive: bool = True) -> list[Method]:  # fmt: skip
-    """Our engine's methods, then the peers."""
+def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k: int, adaptive: bool = True,
+                  gguf_source=None) -> list[Method]:  # fmt: skip
+    """Our engine's methods, then the peers. gguf_source: a --shape target's folder for llama.cpp's converter
+    (random weights: its rows stay out of the lossless check, near-tied logits round either way)."""
     methods = engine_methods(models, kinds, tree=tree, chain_k=chain_k, adaptive=adaptive)
     peers = [k for k in kinds if k in PEER_KINDS]
     llama = [k for k in kinds if k in LLAMACPP_KINDS]
@@ -244,7 +246,9 @@ def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k:
         from .peers.llamacpp import llamacpp_methods
 
         methods += llamacpp_methods(llama, models.target_dir, [(lb, p) for lb, p, _ in models.drafters], stop_ids,
-                                    threads=torch.get_num_threads(), dtype=models.dtype, chain_k=chain_k)  # fmt: skip
+                                    threads=torch.get_num_threads(), dtype=models.dtype, chain_k=chain_k,
+                                    source_dir=gguf_source,
+                                    not_lossless=RANDOM_WEIGHTS if gguf_source else None)  # fmt: skip
     return methods
 
 

@@ -4,7 +4,9 @@ Step cost depends on shapes, not on weight values, so a seeded random model of a
 times like the real one (acceptance does not carry over: use --synthetic-acceptance). Each shape is
 written once, through transformers' own config class and our regular loader, as bf16 safetensors under
 ~/.cache/eaglespec/shapes/<name>/{target,drafter} ($EAGLESPEC_CACHE_DIR replaces ~/.cache/eaglespec),
-with a matching random EAGLE-3.1 drafter. There is no tokenizer: prompts are random token ids.
+with a matching random EAGLE-3.1 drafter. There is no tokenizer: prompts are random token ids. For
+llama.cpp's converter, a shape whose vocabulary has the bundled tokenizer's size gets a `gguf-source` folder
+(the target's files linked, the bundled tokenizer copied) that only the converter reads (`gguf_source`).
 
   qwen2-365m    Qwen2-0.5B's decoder stack (hidden 896, 24 layers, MLP 4864, 14/2 heads, head_dim 64,
                 qkv bias, tied) with an 8K vocabulary instead of 152K: 365.2M parameters; drafter
@@ -18,6 +20,7 @@ The drafters' logits are made peaked (DRAFT_LOGIT_STD) so their trees have reali
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -171,6 +174,31 @@ def ensure_shape(name: str, root: Path | None = None, *, seed: int = 0, log=None
         save_drafter(random_drafter(TargetConfig.from_hf(cfg), shape, seed + 1), tmp, dtype="bf16")
         _publish(tmp, drafter)
     return target, drafter
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def gguf_source(name: str, target: Path) -> Path:
+    """A folder llama.cpp's converter can read for a shape's target: its config and weights linked, plus
+    the bundled tokenizer (prompts stay random ids; only the vocabulary's size and types matter)."""
+    from ..api import default_models_dir
+
+    bundled = default_models_dir() / "target"
+    vocab = get_shape(name).config["vocab_size"]
+    bundled_vocab = json.loads((bundled / "config.json").read_text())["vocab_size"] if bundled.is_dir() else None
+    if bundled_vocab != vocab:
+        raise ValueError(f"llama.cpp peers need a tokenizer with {vocab} entries for --shape {name}; the bundled "
+                         f"one has {bundled_vocab}: use --shape qwen2-365m or --methods plain,chain,tree")  # fmt: skip
+    out = target.parent / "gguf-source"
+    out.mkdir(exist_ok=True)
+    for f in target.iterdir():
+        if f.suffix in (".json", ".safetensors") and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    for f in TOKENIZER_FILES:
+        if (bundled / f).is_file():
+            shutil.copyfile(bundled / f, out / f)
+    return out
 
 
 def describe(name: str) -> dict:

@@ -121,9 +121,9 @@ class Server:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(http(self.url + "/metrics", timeout=30).decode())
 
-    def complete(self, ids: list[int], max_new_tokens: int) -> dict:
+    def complete(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
         body = {"prompt": ids, "n_predict": max_new_tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0.0,
-                "cache_prompt": False, "return_tokens": True, "stream": False}  # fmt: skip
+                "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos}  # fmt: skip
         return json.loads(http(self.url + "/completion", body))
 
     def stop(self) -> None:
@@ -147,7 +147,8 @@ def cut_at_stop(tokens: list[int], stop_ids) -> list[int]:
 class LlamaCppMethod(Method):
     def __init__(self, name: str, kind: str, server: Server, stop_ids, settings: dict, weight_bytes: int,
                  resident_bytes: int):  # fmt: skip
-        super().__init__(name, kind, settings, weight_bytes, resident_bytes, lossless=settings["outtype"] == "f32")
+        super().__init__(name, kind, settings, weight_bytes, resident_bytes,
+                         lossless=settings["lossless_check"] == "yes")  # fmt: skip
         self.server, self.stop_ids = server, tuple(stop_ids)
         self.timings: list[dict] = []  # one entry per run call
 
@@ -158,7 +159,7 @@ class LlamaCppMethod(Method):
         outputs, latencies, prompt_ms, decode_ms, decode_n, prompt_n = [], [], 0.0, 0.0, 0, 0
         for ids in prompts:
             t0 = time.perf_counter()
-            res = self.server.complete(list(ids), max_new_tokens)
+            res = self.server.complete(list(ids), max_new_tokens, ignore_eos=not self.stop_ids)  # as ours: no stop
             latencies.append(time.perf_counter() - t0)
             if res.get("tokens_evaluated", len(ids)) != len(ids):
                 raise RuntimeError(f"{self.name}: llama.cpp evaluated {res['tokens_evaluated']} prompt tokens, "
@@ -224,9 +225,11 @@ def server_args(gguf: Path, threads: int, kv: str) -> list[str]:
 
 
 def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dtype: str = "fp32",
-                     chain_k: int = 4) -> list[Method]:  # fmt: skip
+                     chain_k: int = 4, source_dir=None, not_lossless: str | None = None) -> list[Method]:  # fmt: skip
     """The requested llama.cpp methods; [] with a printed reason when llama.cpp is not built.
-    drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason."""
+    drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason.
+    source_dir: what the converter reads (default target_dir; --shape targets need a tokenizer added);
+    not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties)."""
     from .llamacpp_convert import UnsupportedDrafter, check_drafter_supported, convert_drafter, convert_target
 
     if not kinds:
@@ -239,12 +242,13 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     if dtype not in OUTTYPE:
         raise ValueError(f"llama.cpp peer: no GGUF type for dtype {dtype!r} (choose from {', '.join(OUTTYPE)})")
     outtype = kv = OUTTYPE[dtype]
-    target_gguf = convert_target(root, target_dir, outtype)
+    target_gguf = convert_target(root, source_dir or target_dir, outtype)
     binary, logs = root / "build" / "bin" / SERVER, root / "logs"
     base = {"engine": "llama.cpp llama-server", "gguf": str(target_gguf), "outtype": outtype, "threads": threads,
             "kv_cache": kv, "sampling": "greedy (top_k=1)", "time_source": "tokens_per_s: bench wall clock per "
             "HTTP request (prefill + decode); llama.cpp's own clock (warm-up excluded) in llamacpp_clock",
-            "lossless_check": "yes" if dtype == "fp32" else f"no: {dtype} rounding differs from ours"}  # fmt: skip
+            "lossless_check": (f"no: {not_lossless}" if not_lossless else "yes" if dtype == "fp32"
+                               else f"no: {dtype} rounding differs from ours")}  # fmt: skip
     size = target_gguf.stat().st_size
     out: list[Method] = []
     if "llamacpp_plain" in kinds:
