@@ -318,11 +318,12 @@ class EngineCore:
         if int(cnt.max()) == 0:
             return None
         pair_ids, pair_aux = ids[:, 1 : t + 1], aux
+        width = int(cnt.max())  # columns past every row's kept pairs would be drafter work thrown away
         if int(skip.max()) > 0:  # shift each row so its first kept pair comes first
-            idx = (skip[:, None] + torch.arange(t)).clamp(max=t - 1).to(ids.device)
+            idx = (skip[:, None] + torch.arange(width)).clamp(max=t - 1).to(ids.device)
             pair_ids = pair_ids.gather(1, idx)
             pair_aux = aux.gather(1, idx[:, :, None].expand(-1, -1, aux.shape[-1]))
-        return slots, pair_ids, pair_aux, cnt, t
+        return slots, pair_ids[:, :width], pair_aux[:, :width], cnt, width
 
     def _run_deferred_extend(self) -> None:
         pending, self._deferred_extend = self._deferred_extend, None

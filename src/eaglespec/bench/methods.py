@@ -57,6 +57,9 @@ class Method:
     def run(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams, batch_size: int) -> MethodRun:
         raise NotImplementedError
 
+    def prepare(self, max_batch: int) -> None:
+        """One-time set-up for batches up to max_batch, kept out of the timed runs (as a server does at start)."""
+
 
 def parse_kinds(text: str | None) -> list[str]:
     from .suites import parse_choices
@@ -87,6 +90,9 @@ class EngineMethod(Method):
         super().__init__(name, kind, settings, weight_bytes_per_forward(tgt),
                          tensor_bytes(tgt.parameters()) + drafter_bytes)  # fmt: skip
         self.engine = engine
+
+    def prepare(self, max_batch: int) -> None:
+        self.engine.prepare_policies(max_batch)  # step costs per batch bucket: cached on disk, else measured now
 
     def run(self, prompts, max_new_tokens, params, batch_size):
         eng = self.engine

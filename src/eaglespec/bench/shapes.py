@@ -176,6 +176,7 @@ def ensure_shape(name: str, root: Path | None = None, *, seed: int = 0, log=None
     return target, drafter
 
 
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -192,9 +193,12 @@ def gguf_source(name: str, target: Path) -> Path:
                          f"one has {bundled_vocab}: use --shape qwen2-365m or --methods plain,chain,tree")  # fmt: skip
     out = target.parent / "gguf-source"
     out.mkdir(exist_ok=True)
-    for f in target.iterdir():
-        if f.suffix in (".json", ".safetensors") and not (out / f.name).exists():
+    for f in target.glob("*.safetensors*"):
+        if not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
+    config = json.loads((target / "config.json").read_text())
+    config.setdefault("architectures", [ARCHITECTURES[get_shape(name).family]])  # how the converter picks a class
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     for f in TOKENIZER_FILES:
         if (bundled / f).is_file():
             shutil.copyfile(bundled / f, out / f)

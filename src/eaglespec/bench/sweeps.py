@@ -84,6 +84,7 @@ def sweep_batch(methods: list[Method], pool: list[Prompt], cfg: RunConfig, sizes
     """Throughput vs batch size; each point decodes max(B, len(pool)) prompts (the pool repeated)."""
     for m in methods:
         warm_up(m, pool[0], cfg)
+        m.prepare(max(sizes))
     points = []
     for b in sizes:
         prompts = list(itertools.islice(itertools.cycle(pool), max(b, len(pool))))
