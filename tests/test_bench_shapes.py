@@ -164,6 +164,7 @@ def test_gguf_source_links_the_shape_and_adds_the_bundled_tokenizer(tmp_path):
     src = shapes.gguf_source("qwen2-365m", target)
     assert (src / "model.safetensors").is_symlink() and (src / "model.safetensors").read_bytes() == b"weights"
     assert json.loads((src / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert json.loads((src / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert shapes.gguf_source("qwen2-365m", target) == src  # a second call reuses it
     with pytest.raises(ValueError, match="tokenizer with 128256 entries"):
         shapes.gguf_source("llama-3.2-1b", target)

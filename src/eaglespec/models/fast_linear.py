@@ -10,7 +10,11 @@
    on how many rows are in the call, while MKL's fp32 GEMM changes the summation order with M, so
    plain decoding (1 token) and tree verification (17) give bit-identical logits. That property is
    checked on this machine before packing is used (`_row_invariant`); if it fails, or oneDNN is
-   missing, the plain `torch.nn.functional.linear` path stays.
+   missing, the plain `torch.nn.functional.linear` path stays. Packing is also timed against
+   F.linear per weight shape (`_packing_pays`): on a 2-vCPU Xeon with AMX, fp32 oneDNN adds ~10 us
+   per call at one row (bundled target, one-token step 2.9 ms packed vs 1.9 ms F.linear), so there
+   the faster kernel is kept. F.linear's rows differ by ~1e-6 between row counts in fp32, the same
+   order as attention's (models/precision.py checks the whole forward's gap at load).
 
 Packed weights are a second copy of the linear weights (the originals stay for state_dict, tied
 embeddings and the quantizer), so resident memory for those grows 2x on CPU.
@@ -51,7 +55,37 @@ def packing_available(weight: torch.Tensor) -> bool:
         and weight.dtype in _PACKABLE
         and torch.backends.mkldnn.is_available()
         and _row_invariant(weight.dtype)
+        and _packing_pays(tuple(weight.shape), weight.dtype)
     )
+
+
+TIMED_ROWS = (1, 17)  # a plain step and a 16-node tree verification
+
+
+@functools.cache
+def _packing_pays(shape: tuple[int, int], dtype: torch.dtype, reps: int = 15) -> bool:
+    """Is oneDNN's packed linear at most as slow as F.linear for this weight shape here (one-row plus
+    17-row call, best of `reps`)? Measured once per shape and dtype in a process (milliseconds)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    xs = [torch.randn(m, shape[1], generator=g).to(dtype) for m in TIMED_ROWS]
+    calls = {"packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+             "plain": lambda x: F.linear(x, w)}  # fmt: skip
+    best = {}
+    for name, fn in calls.items():
+        for x in xs:
+            fn(x)  # first call: oneDNN primitive creation
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for x in xs:
+                fn(x)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return best["packed"] <= best["plain"]
 
 
 class FastLinear:
