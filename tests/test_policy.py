@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from eaglespec.models.fast_linear import kernel_signature, prepare_for_inference
 from eaglespec.models.precision import choose_dtype
 from eaglespec.spec import costs as costs_mod
 from eaglespec.spec.costs import StepCosts, cache_key, load_or_calibrate
@@ -192,6 +193,10 @@ def test_calibration_cache_reused_keyed_and_rebuilt(pair, tmp_path, monkeypatch)
     finally:
         torch.set_num_threads(threads)
     assert key1 != cache_key(target, drafter, 1)
+    unprepared = cache_key(target, drafter, 1)
+    prepare_for_inference(target)  # the matmul kernels chosen for this machine: another key
+    if kernel_signature(target):
+        assert cache_key(target, drafter, 1) != unprepared
     path.write_text("{not json")  # corrupt file: ignored with a warning, rebuilt
     with pytest.warns(UserWarning, match="ignoring unreadable calibration cache"):
         load_or_calibrate(target, drafter, 1, path=path)

@@ -166,3 +166,13 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
             elif isinstance(child, PackedLinear) and child.fast.weight.data_ptr() != child.weight.data_ptr():
                 child.fast = FastLinear(child.weight, child.bias)  # moved since it was packed
     return model
+
+
+def kernel_signature(model: nn.Module) -> str:
+    """Which matmuls run packed (P) or through F.linear (F), in module order: step costs measured with
+    one choice do not hold for another (spec/costs.py keys its cache by this)."""
+    marks = []
+    for m in model.modules():
+        fast = [getattr(m, "_qkv", None), getattr(m, "_gate_up", None), getattr(m, "fast", None)]
+        marks += ["P" if f.packed is not None else "F" for f in fast if isinstance(f, FastLinear)]
+    return "".join(marks)

@@ -20,6 +20,7 @@ import torch
 
 from ..machine import best_seconds, cache_dir, cpu_name
 from ..models.compiled import is_compiled
+from ..models.fast_linear import kernel_signature
 
 VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
@@ -100,6 +101,7 @@ def cache_key(target, drafter, batch: int) -> str:
         "device": str(p.device),
         "dtype": str(p.dtype),
         "compiled": is_compiled(target),
+        "kernels": [kernel_signature(m) for m in (target, drafter) if m is not None],
         "batch": batch,
         "target": _model_signature(target),
         "drafter": _model_signature(drafter) if drafter is not None else None,
