@@ -104,7 +104,7 @@ def choose_compile(engine: Engine, requested: str, expected_tokens: int | None =
     if requested not in compiled.CHOICES:
         raise ValueError(f"--compile must be one of {', '.join(compiled.CHOICES)}, got {requested!r}")
     if requested == "off":
-        return False, "eager (requested)"
+        return False, "eager (--compile off, the default; on or auto to compile)"
     models = [m for m in (engine.target, engine.drafter) if m is not None]
     if all(compiled.is_compiled(m) for m in models):
         return True, "compiled (these models were compiled before)"
