@@ -284,3 +284,28 @@ def test_auto_precision_falls_back_to_fp32_when_verification_rounds_unlike_plain
     assert dtype == "fp32" and "differ from plain steps by 0.06" in why
     assert next(load_engine(path, dtype="auto").target.parameters()).dtype == torch.float32
     assert load_engine(path, dtype="bf16").precision == ("bf16", "faster in this test")  # explicit: no check
+
+
+def test_verification_cost_grows_with_context_and_trees_shrink():
+    """Attention makes a verification of many tokens dearer with the context (measured on the bundled
+    target at 5K positions: 17 tokens 2.7x a one-token step, 1.6x at 256): the costs follow the rows'
+    context, and the policy verifies fewer nodes for long rows."""
+    from eaglespec.spec.costs import CALIBRATION_CONTEXT
+
+    verify = {1: 2.5e-3, 4: 3.0e-3, 16: 4.6e-3, 32: 7.0e-3}
+    long = {1: 4.5e-3, 4: 6.0e-3, 16: 11.0e-3}
+    costs = StepCosts(1, verify, {1: 7e-4, 2: 8e-4, 4: 8e-4, 8: 9e-4}, long, 4096)
+    assert StepCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    assert costs.verify_cost(16) == pytest.approx(4.6e-3)  # at the calibration context: the table
+    q = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02]])
+    short_n, _ = best_node_count(q, 1, 2e-3, costs, 32)
+    costs.set_context(4096)
+    assert costs.verify_cost(16) == pytest.approx(11.0e-3) and costs.verify_cost(1) == pytest.approx(4.5e-3)
+    costs.set_context(8192)  # beyond the measured context: linear in the context
+    slope = (11.0e-3 - 4.6e-3) / (4096 - CALIBRATION_CONTEXT)
+    assert costs.verify_cost(16) == pytest.approx(4.6e-3 + slope * (8192 - CALIBRATION_CONTEXT))
+    assert costs.verify_cost(32) > costs.verify_cost(16) > costs.verify_cost(4)  # past the long grid too
+    long_n, _ = best_node_count(q, 1, 2e-3, costs, 32)
+    assert long_n < short_n
+    with pytest.raises(ValueError, match="long-context table"):
+        StepCosts.from_json({**costs.to_json(), "long": {"3": 1e-3}})  # a point the short table lacks

@@ -346,6 +346,8 @@ class EngineCore:
             self._sampling = BatchSampling.of([r.params for r in rows], [r.seed for r in rows], self.device)
         lengths = self.tcache.lengths[[r.slot for r in rows]]
         policy = self._policy_now(b)
+        if policy is not None and policy.costs is not None:
+            policy.costs.set_context(int(lengths.float().mean()))  # verification gets dearer with context
         plan = policy.plan() if policy is not None else None
         speculate = plan is not None
         if speculate and int(lengths.max()) + engine.shape.kept_nodes + engine.ngram_tokens + 1 > engine.max_length:

@@ -26,7 +26,12 @@ VERIFY_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
 MAX_CALIBRATION_TOKENS = 2048  # per forward (batch x tokens): larger trees are not considered
 CALIBRATION_CONTEXT = 256  # committed cache length the forwards attend over
-FORMAT = 1
+LONG_CONTEXT = 4096  # a second, shorter table here: attention makes verification dearer with context
+LONG_GRID = (1, 4, 16)  # per-row tokens measured at LONG_CONTEXT (n * batch <= LONG_MAX_TOKENS)
+LONG_MAX_TOKENS = 512
+LONG_CACHE_POSITIONS = 65536  # batch x context of the long measurement's cache (memory)
+CONTEXT_STEP = 128  # the context a cost is asked for is rounded to this (the policy's table is cached)
+FORMAT = 2
 
 
 @dataclass
@@ -38,13 +43,33 @@ class StepCosts:
     batch: int
     verify: dict[int, float]
     draft: dict[int, float]
+    long: dict[int, float] | None = None  # verify[n] at long_context committed positions (None: not measured)
+    long_context: int = LONG_CONTEXT
+    context: int = CALIBRATION_CONTEXT  # the rows' current mean length (set_context); verify_cost is for it
+
+    def set_context(self, context: int) -> None:
+        """Costs for rows of about `context` committed tokens from now on (the core sets it every step)."""
+        context = max(1, round(context / CONTEXT_STEP)) * CONTEXT_STEP
+        if context != self.context:
+            self.context = context
+            self.__dict__.pop("_table", None)
 
     def verify_cost(self, n: int) -> float:
-        return _interpolate(self.verify, n)
+        """A target forward over n tokens per row at self.context: the table at CALIBRATION_CONTEXT plus,
+        per extra committed position, the slope measured up to long_context (attention is linear in the
+        context and in the queries: beyond the long grid the slope grows with n)."""
+        base = _interpolate(self.verify, n)
+        if not self.long or self.context == CALIBRATION_CONTEXT or base == float("inf"):
+            return base
+        top = max(self.long)
+        long = _interpolate(self.long, n) if n <= top else self.long[top] + (n - top) / top * (
+            self.long[top] - _interpolate(self.verify, top))  # fmt: skip
+        slope = max(0.0, long - base) / (self.long_context - CALIBRATION_CONTEXT)
+        return max(0.5 * base, base + slope * (self.context - CALIBRATION_CONTEXT))
 
     def verify_costs(self, up_to: int) -> list[float]:
-        """[verify_cost(1), ..., verify_cost(up_to)], computed once per StepCosts (the policy asks
-        for it several times per step)."""
+        """[verify_cost(1), ..., verify_cost(up_to)], computed once per StepCosts and context (the policy
+        asks for it several times per step)."""
         table = self.__dict__.setdefault("_table", [])
         while len(table) < up_to:
             table.append(self.verify_cost(len(table) + 1))
@@ -58,15 +83,19 @@ class StepCosts:
         return max(self.verify)
 
     def to_json(self) -> dict:
-        return {"batch": self.batch, "verify": self.verify, "draft": self.draft}
+        return {"batch": self.batch, "verify": self.verify, "draft": self.draft, "long": self.long,
+                "long_context": self.long_context}  # fmt: skip
 
     @classmethod
     def from_json(cls, raw: dict) -> StepCosts:
         verify = {int(k): float(v) for k, v in raw["verify"].items()}
         draft = {int(k): float(v) for k, v in raw["draft"].items()}
+        long = {int(k): float(v) for k, v in raw["long"].items()} if raw.get("long") else None
         if not verify or not draft or min(verify.values()) <= 0 or min(draft.values()) <= 0 or 1 not in verify:
             raise ValueError("calibration entry has empty or non-positive costs")
-        return cls(int(raw["batch"]), verify, draft)
+        if long is not None and (min(long.values()) <= 0 or not set(long) <= set(verify)):
+            raise ValueError("calibration entry has a bad long-context table")
+        return cls(int(raw["batch"]), verify, draft, long, int(raw.get("long_context", LONG_CONTEXT)))
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
@@ -173,6 +202,7 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
             sync()
 
         verify[n] = best_seconds(run_target, repeats if n * batch <= 256 else max(2, repeats // 2))
+    long, long_context = _calibrate_long(target, drafter, batch, grid, gen, dev, sync)
     draft = {}
     if drafter is not None:
         if drafter.embed_tokens is None and drafter._target_embed is None:
@@ -194,6 +224,35 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
             draft[k] = best_seconds(run_drafter, repeats)
     else:
         draft = {1: float("inf")}
-    return StepCosts(batch, verify, draft)
+    return StepCosts(batch, verify, draft, long, long_context)
+
+
+def _calibrate_long(target, drafter, batch, grid, gen, dev, sync) -> tuple[dict[int, float] | None, int]:
+    """(costs, context): target forwards over n in LONG_GRID tokens per row at LONG_CONTEXT committed
+    positions, less where the model's context or the cache's size (LONG_CACHE_POSITIONS over all rows)
+    is smaller; (None, LONG_CONTEXT) when that leaves under twice CALIBRATION_CONTEXT."""
+    from .proposer import causal_mask
+
+    context = min(LONG_CONTEXT, target.cfg.max_position_embeddings - max(LONG_GRID) - 1,
+                  LONG_CACHE_POSITIONS // batch)  # fmt: skip
+    grid = [n for n in LONG_GRID if n in grid and n * batch <= LONG_MAX_TOKENS]
+    if context < 2 * CALIBRATION_CONTEXT or not grid:
+        return None, LONG_CONTEXT
+    cache = target.new_cache(batch, max_length=context + max(grid) + 1, initial_capacity=context + max(grid) + 1)
+    cache.commit(None, torch.full((batch,), context))
+    long = {}
+    for n in grid:
+        ids = torch.randint(0, target.cfg.vocab_size, (batch, n), generator=gen).to(dev)
+        mask = causal_mask(torch.full((batch,), n, device=dev), n)
+        pos = torch.full((batch, 1), context, device=dev) + torch.arange(n, device=dev)
+
+        def run(ids=ids, mask=mask, pos=pos):
+            meta = cache.prepare(None, mask, pos)
+            h, _ = target(ids, pos, cache, meta, capture_aux=drafter is not None)
+            target.logits(h).argmax(-1)
+            sync()
+
+        long[n] = best_seconds(run, 3)
+    return long, context
 
 
