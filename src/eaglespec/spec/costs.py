@@ -179,30 +179,18 @@ def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None, 
 @torch.inference_mode()
 def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT, repeats: int = 5) -> StepCosts:
     """Measure target forwards over n tokens per row (n in VERIFY_GRID) and drafter forwards over k
-    tokens per row (k in DRAFT_WIDTHS) attending over `context` committed positions."""
-    from .proposer import causal_mask
-
+    tokens per row (k in DRAFT_WIDTHS) attending over `context` committed positions, and target
+    forwards over a few n at a long context (`long_context_grid`)."""
     dev = next(target.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = None
-    grid = [n for n in VERIFY_GRID if n * batch <= MAX_CALIBRATION_TOKENS] or [1]
-    tcache = target.new_cache(batch, max_length=context + max(grid) + 1, initial_capacity=context + max(grid) + 1)
-    tcache.commit(rows, torch.full((batch,), context))
     gen = torch.Generator(device="cpu").manual_seed(0)
-    verify = {}
-    for n in grid:
-        ids = torch.randint(0, target.cfg.vocab_size, (batch, n), generator=gen).to(dev)
-        mask = causal_mask(torch.full((batch,), n, device=dev), n)
-        pos = torch.full((batch, 1), context, device=dev) + torch.arange(n, device=dev)
-
-        def run_target(ids=ids, mask=mask, pos=pos):
-            meta = tcache.prepare(rows, mask, pos)
-            h, _ = target(ids, pos, tcache, meta, capture_aux=drafter is not None)
-            target.logits(h).argmax(-1)
-            sync()
-
-        verify[n] = best_seconds(run_target, repeats if n * batch <= 256 else max(2, repeats // 2))
-    long, long_context = _calibrate_long(target, drafter, batch, grid, gen, dev, sync)
+    grid = [n for n in VERIFY_GRID if n * batch <= MAX_CALIBRATION_TOKENS] or [1]
+    verify = _target_costs(target, drafter is not None, batch, context, grid, gen, sync,
+                           lambda n: repeats if n * batch <= 256 else max(2, repeats // 2))  # fmt: skip
+    long_context, long_grid = long_context_grid(target, batch, grid)
+    long = _target_costs(target, drafter is not None, batch, long_context, long_grid, gen, sync, lambda n: 3) \
+        if long_grid else None  # fmt: skip
     draft = {}
     if drafter is not None:
         if drafter.embed_tokens is None and drafter._target_embed is None:
@@ -227,20 +215,25 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
     return StepCosts(batch, verify, draft, long, long_context)
 
 
-def _calibrate_long(target, drafter, batch, grid, gen, dev, sync) -> tuple[dict[int, float] | None, int]:
-    """(costs, context): target forwards over n in LONG_GRID tokens per row at LONG_CONTEXT committed
-    positions, less where the model's context or the cache's size (LONG_CACHE_POSITIONS over all rows)
-    is smaller; (None, LONG_CONTEXT) when that leaves under twice CALIBRATION_CONTEXT."""
-    from .proposer import causal_mask
-
+def long_context_grid(target, batch: int, grid: list[int]) -> tuple[int, list[int]]:
+    """(context, token counts) of the long-context measurement: LONG_CONTEXT, less where the model's
+    context or the cache's size (LONG_CACHE_POSITIONS over all rows) is smaller; no counts when that
+    leaves under twice CALIBRATION_CONTEXT."""
     context = min(LONG_CONTEXT, target.cfg.max_position_embeddings - max(LONG_GRID) - 1,
                   LONG_CACHE_POSITIONS // batch)  # fmt: skip
-    grid = [n for n in LONG_GRID if n in grid and n * batch <= LONG_MAX_TOKENS]
-    if context < 2 * CALIBRATION_CONTEXT or not grid:
-        return None, LONG_CONTEXT
+    counts = [n for n in LONG_GRID if n in grid and n * batch <= LONG_MAX_TOKENS]
+    return (context, counts) if context >= 2 * CALIBRATION_CONTEXT else (LONG_CONTEXT, [])
+
+
+def _target_costs(target, capture_aux: bool, batch: int, context: int, grid, gen, sync, repeats) -> dict[int, float]:
+    """Seconds of a target forward over n tokens per row (lm_head and argmax included) for n in grid,
+    attending over `context` committed positions; repeats(n) timings, the best kept."""
+    from .proposer import causal_mask
+
+    dev = next(target.parameters()).device
     cache = target.new_cache(batch, max_length=context + max(grid) + 1, initial_capacity=context + max(grid) + 1)
     cache.commit(None, torch.full((batch,), context))
-    long = {}
+    costs = {}
     for n in grid:
         ids = torch.randint(0, target.cfg.vocab_size, (batch, n), generator=gen).to(dev)
         mask = causal_mask(torch.full((batch,), n, device=dev), n)
@@ -248,11 +241,9 @@ def _calibrate_long(target, drafter, batch, grid, gen, dev, sync) -> tuple[dict[
 
         def run(ids=ids, mask=mask, pos=pos):
             meta = cache.prepare(None, mask, pos)
-            h, _ = target(ids, pos, cache, meta, capture_aux=drafter is not None)
+            h, _ = target(ids, pos, cache, meta, capture_aux=capture_aux)
             target.logits(h).argmax(-1)
             sync()
 
-        long[n] = best_seconds(run, 3)
-    return long, context
-
-
+        costs[n] = best_seconds(run, repeats(n))
+    return costs
