@@ -12,7 +12,7 @@
    checked on this machine before packing is used (`_row_invariant`); if it fails, or oneDNN is
    missing, the plain `torch.nn.functional.linear` path stays. Packing is also timed against
    F.linear per weight shape (`_packing_pays`): on a 2-vCPU Xeon with AMX, fp32 oneDNN adds ~10 us
-   per call at one row (bundled target, one-token step 2.9 ms packed vs 1.9 ms F.linear), so there
+   per call at one row (bundled target, one-token step 3.1 ms all packed vs 2.6 ms chosen), so there
    the faster kernel is kept. F.linear's rows differ by ~1e-6 between row counts in fp32, the same
    order as attention's (models/precision.py checks the whole forward's gap at load).
 
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..machine import best_seconds
 from .layers import MLP, Attention
 
 _PACKABLE = (torch.float32, torch.bfloat16)
@@ -66,26 +67,13 @@ TIMED_ROWS = (1, 17)  # a plain step and a 16-node tree verification
 def _packing_pays(shape: tuple[int, int], dtype: torch.dtype, reps: int = 15) -> bool:
     """Is oneDNN's packed linear at most as slow as F.linear for this weight shape here (one-row plus
     17-row call, best of `reps`)? Measured once per shape and dtype in a process (milliseconds)."""
-    import time
-
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(*shape, generator=g) * 0.05).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     xs = [torch.randn(m, shape[1], generator=g).to(dtype) for m in TIMED_ROWS]
-    calls = {"packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-             "plain": lambda x: F.linear(x, w)}  # fmt: skip
-    best = {}
-    for name, fn in calls.items():
-        for x in xs:
-            fn(x)  # first call: oneDNN primitive creation
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for x in xs:
-                fn(x)
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
-    return best["packed"] <= best["plain"]
+    packed_s = best_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "") for x in xs],
+                            reps)  # fmt: skip
+    return packed_s <= best_seconds(lambda: [F.linear(x, w) for x in xs], reps)
 
 
 class FastLinear:
