@@ -67,6 +67,8 @@ def load_engine(
     draft_prefill_window: int | None = None,
     compile: str = "off",
     expected_tokens: int | None = None,
+    quantize: str | None = None,
+    quantize_group: int | None = None,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
 
@@ -74,12 +76,19 @@ def load_engine(
     choice and its reason are in `engine.precision`. draft_prefill_window: the last N prompt tokens
     the drafter reads at prefill (None: the engine default, 0: the whole prompt). compile: "on",
     "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
-    the choice and its reason are in `engine.compiled`."""
+    the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only
+    quantization of the target's decoder layers (models/quantize.py; speculation is lossless against
+    the quantized target), int4 in groups of `quantize_group` input channels."""
     import torch
+
+    from .models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    bits = parse_quantize(quantize)
     tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype)
+    if bits is not None:
+        quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)

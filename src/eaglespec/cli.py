@@ -39,6 +39,10 @@ def _add_generate(sub):
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                   help="weight-only quantization of the target's decoder layers at load (models/quantize.py); "
+                        "speculative output equals the quantized target's own")
+    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
@@ -90,9 +94,15 @@ def cmd_generate(args) -> int:
     engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
                          draft_prefill_window=args.draft_prefill_window, compile=args.compile,
-                         expected_tokens=len(items) * args.max_new_tokens)  # fmt: skip
+                         expected_tokens=len(items) * args.max_new_tokens, quantize=args.quantize,
+                         quantize_group=args.quantize_group)  # fmt: skip
     dtype, why = engine.precision
     print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
+    if args.quantize != "none":
+        q = engine.target.quantization
+        group = f", groups of {q['group']}" if q["group"] else ""
+        print(f"[eaglespec] weights: int{q['bits']} weight-only in the decoder layers{group} ({dtype} matmuls)",
+              file=sys.stderr)  # fmt: skip
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.drafter is not None:
         print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                   help="weight-only quantized target (models/quantize.py); peers still run the unquantized one")
+    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
@@ -158,7 +161,7 @@ def cmd_bench(args) -> int:
         print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
     tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
-    models = load_models(target, drafts, args.dtype)
+    models = load_models(target, drafts, args.dtype, args.quantize, args.quantize_group)
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
     _, why = compile_models(models, args.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
     log(f"[bench] forwards: {why}")

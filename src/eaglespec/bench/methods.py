@@ -74,9 +74,12 @@ def tensor_bytes(params) -> int:
 def weight_bytes_per_forward(model) -> int:
     """Bytes of weights one forward reads: every parameter once, except an untied input embedding
     (a forward gathers only a few of its rows). Same for our LlamaTarget and HF Llama-family models."""
+    from ..models.quantize import QuantizedLinear
+
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embed
-    return tensor_bytes(p for p in model.parameters() if tied or p is not embed)
+    quantized = sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))  # buffers
+    return tensor_bytes(p for p in model.parameters() if tied or p is not embed) + quantized
 
 
 class EngineMethod(Method):
@@ -164,10 +167,15 @@ class Models:
     compiled: str = "eager"
 
 
-def load_models(target_dir, drafts: list, dtype: str = "auto") -> Models:
+def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
+                quantize_group: int | None = None) -> Models:  # fmt: skip
     from ..api import load_target_for_speculation
+    from ..models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
 
+    bits = parse_quantize(quantize)
     target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype)
+    if bits is not None:
+        quantize_target(target, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype)

@@ -114,7 +114,7 @@ def _interpolate(table: dict[int, float], x: int) -> float:
 
 # -- cache ---------------------------------------------------------------------------------------
 def _model_signature(model) -> dict:
-    params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()
+    params = [(n, list(p.shape), str(p.dtype)) for n, p in [*model.named_parameters(), *model.named_buffers()]
               if not n.startswith("_target_embed")]  # the drafter's view of the target's embedding
     cfg = getattr(model, "cfg", None)
     return {"cfg": repr(cfg), "params": hashlib.sha1(repr(params).encode()).hexdigest()}

@@ -1,0 +1,145 @@
+"""Weight-only quantization of a target's linear layers at load time: int8 (symmetric, one scale per
+output channel) or int4 (asymmetric, a scale and a minimum per group of `group` input channels).
+
+Kernels: torch's own CPU kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`):
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`. A row's result does not depend on the other
+rows in the call. They run in the activations' precision: with bf16 activations one row is 2.4-2.8x
+faster than a dense bf16 matmul on a 2-vCPU Xeon; with fp32 they are 4-11x slower than dense fp32 but
+keep the model's fp32 rounding. Casting fp32 activations to bf16 around each quantized matmul (fast)
+was tried and is NOT lossless: attention's last-bit differences between a tree forward and a plain step
+(~1e-6 in fp32) cross bf16 rounding boundaries and change greedy tokens (tests/test_quantize.py found
+it on Qwen3). So the precision choice (`--dtype`, with its tree-vs-plain gap check) decides the speed.
+Off CPU the weight is dequantized for each call (correct, not fast).
+
+Lossless by construction: plain steps and every verification forward of a quantized target run these
+same layers, so speculative output is defined against -- and equals -- the quantized target's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BITS = (8, 4)
+DEFAULT_GROUP = 128  # int4: 0.14x of fp32's bytes with scales, against 0.19x at group 32 (BENCHMARKS §12)
+INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
+INT4_ROWS = 16  # the int4 CPU kernel packs output channels in blocks of 16: others are zero-padded
+COMPUTE_DTYPE = torch.bfloat16  # scales and zero points are held at bf16 precision (the kernels' smallest)
+
+
+def _held(scale: torch.Tensor) -> torch.Tensor:
+    """The scale as the kernel will hold it (bf16), nudged up first so that rounding never shrinks it
+    (a smaller scale would push the largest weights past the last code)."""
+    return (scale.clamp(min=1e-12) * (1 + 2**-8)).to(COMPUTE_DTYPE).float()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision. Holds the integer
+    codes as buffers."""
+
+    def __init__(self, linear: nn.Linear, bits: int, group: int = DEFAULT_GROUP):
+        super().__init__()
+        if bits not in BITS:
+            raise ValueError(f"--quantize supports int8 and int4, got {bits} bits")
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        self.in_features, self.out_features, self.bits, self.group = k, n, bits, group
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        # scales (and int4 zero points) are held in the kernels' bf16; codes are rounded against those
+        # held values, so every weight is within half a step of what the layer computes with
+        if bits == 8:
+            scale = _held(w.abs().amax(1) / 127)
+            self.register_buffer("codes", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scales", scale.to(COMPUTE_DTYPE))
+            self.register_buffer("zeros", torch.zeros(0))
+        else:
+            if group not in INT4_GROUPS:
+                raise ValueError(f"--quantize-group must be one of {', '.join(map(str, INT4_GROUPS))} "
+                                 f"(the int4 kernel's group sizes), got {group}")  # fmt: skip
+            if k % group:
+                raise ValueError(f"int4 group size {group} does not divide the layer's {k} input channels; "
+                                 f"use --quantize-group with a divisor of {k} or --quantize int8")  # fmt: skip
+            wg = w.view(n, k // group, group)
+            low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+            scale = _held((high - low) / 15)
+            zero = (low + 8 * scale).to(COMPUTE_DTYPE).float()  # the kernel computes (code - 8) * scale + zero
+            codes = (torch.round((wg - zero) / scale) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+            self.register_buffer("codes", codes)  # one code per byte here; the kernel's packing is derived
+            self.register_buffer("scales", scale.view(n, -1).to(COMPUTE_DTYPE))
+            self.register_buffer("zeros", zero.view(n, -1).to(COMPUTE_DTYPE))
+        self._kernels = {}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this layer computes with, in fp32 (the reference for tests and other devices)."""
+        if self.bits == 8:
+            return self.codes.float() * self.scales.float()[:, None]
+        n, k = self.codes.shape
+        groups = self.codes.float().view(n, k // self.group, self.group) - 8
+        return (groups * self.scales.float()[..., None] + self.zeros.float()[..., None]).view(n, k)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per call: int4 codes counted at half a byte each, plus scales (and minimums)."""
+        code_bytes = self.codes.numel() if self.bits == 8 else self.codes.numel() // 2
+        return code_bytes + sum(t.numel() * t.element_size() for t in (self.scales, self.zeros))
+
+    def _cpu_kernel(self, dtype: torch.dtype):
+        """torch's kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
+        kernel = self._kernels.get(dtype)
+        if kernel is None:
+            if self.bits == 8:
+                codes, scales = self.codes, self.scales.to(dtype)
+                kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
+            else:
+                n, pad = self.out_features, -self.out_features % INT4_ROWS
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    F.pad(self.codes.to(torch.int32), (0, 0, 0, pad)), 1)  # fmt: skip
+                sz = torch.stack([self.scales.float(), self.zeros.float()], -1)
+                sz = F.pad(sz, (0, 0, 0, 0, 0, pad), value=1.0).transpose(0, 1).contiguous().to(dtype)
+                group = self.group
+                run = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)  # noqa: E731
+                kernel = run if pad == 0 else (lambda x: run(x)[:, :n])
+            self._kernels[dtype] = kernel
+        return kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            y = self._cpu_kernel(x.dtype)(flat)
+        else:
+            y = F.linear(flat, self.dequantized_weight().to(device=x.device, dtype=x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.bits == 4 else ""
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{group}"
+
+
+def parse_quantize(text: str | None) -> int | None:
+    """'int8' / 'int4' -> bits; None or 'none' -> None."""
+    if text in (None, "none"):
+        return None
+    bits = {"int8": 8, "int4": 4}.get(text)
+    if bits is None:
+        raise ValueError(f"--quantize must be int8, int4 or none, got {text!r}")
+    return bits
+
+
+def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP) -> nn.Module:
+    """Replace the linear layers of every decoder layer (attention and MLP) by QuantizedLinear, in
+    place. Embeddings and lm_head stay in the loaded precision (the drafter shares the embedding)."""
+    if group < 1:
+        raise ValueError(f"--quantize-group must be >= 1, got {group}")
+    for layer in target.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, QuantizedLinear(child, bits, group))
+            for fused in ("_qkv", "_gate_up"):  # matmuls fused earlier read the old weights: drop them
+                if hasattr(parent, fused):
+                    delattr(parent, fused)
+    target.quantization = {"bits": bits, "group": group if bits == 4 else None}
+    return target

@@ -1,0 +1,120 @@
+"""Weight-only quantized targets (models/quantize.py): layers against a dequantize-then-matmul reference,
+row invariance, speculative output equal to the quantized target's own plain output for every family,
+tree/chain/auto, batched, int8 and int4, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from eaglespec.engine import Engine, Request
+from eaglespec.models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
+from eaglespec.models.quantize import QuantizedLinear, parse_quantize, quantize_target
+from eaglespec.spec.proposer import TreeShape
+from helpers import FAMILIES, random_drafter, tiny_target
+from rigged import RiggedProposer
+from test_greedy_lossless import _prompts
+
+N_NEW = 16
+GROUP = 32  # divides the tiny models' 64 and 128 input channels
+
+
+def _linear(n, k, bias=False, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    nn.init.normal_(lin.weight, std=0.05)
+    return lin
+
+
+@pytest.mark.parametrize("bits, n, bias", [(8, 96, False), (8, 40, True), (4, 96, True), (4, 40, False)])
+def test_layer_matches_dequantized_reference_and_is_row_invariant(bits, n, bias):
+    """40 output channels: not a multiple of the int4 kernel's 16-row blocks (zero-padded)."""
+    lin = _linear(n, 64, bias)
+    q = QuantizedLinear(lin, bits, GROUP)
+    w = q.dequantized_weight()
+    # rounding error: at most half a quantization step per weight (a step per channel, or per group)
+    step = q.scales.float()[:, :, None] if bits == 4 else q.scales.float()[:, None, None]
+    err = (w - lin.weight.float()).abs().view(n, -1, GROUP if bits == 4 else 64)
+    assert (err <= 0.5 * step * 1.01 + 1e-6).all()
+    x = torch.randn(2, 17, 64)
+    y = q(x)
+    assert y.shape == (2, 17, n) and y.dtype == torch.float32
+    # fp32 activations times the dequantized weight: equal up to fp32 summation order
+    ref = torch.nn.functional.linear(x, w, lin.bias)
+    assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5), (y - ref).abs().max()
+    y16 = q(x.bfloat16())  # bf16 activations (the fast path): within bf16 rounding
+    assert y16.dtype == torch.bfloat16 and torch.allclose(y16.float(), ref, atol=3e-2, rtol=3e-2)
+    flat = x.reshape(-1, 64)
+    full = q(flat)
+    for rows in (slice(0, 1), slice(0, 5), slice(7, 8)):
+        assert torch.equal(q(flat[rows]), full[rows])  # a row's bits do not depend on the rows beside it
+
+
+def test_weight_bytes_meet_the_memory_goals():
+    lin = _linear(512, 1024)
+    fp32 = lin.weight.numel() * 4
+    assert QuantizedLinear(lin, 8).weight_bytes() <= 0.3 * fp32
+    assert QuantizedLinear(lin, 4, 128).weight_bytes() <= 0.17 * fp32
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_speculation_equals_plain_decoding_of_the_quantized_target(tmp_path, family, bits):
+    target, _, _ = tiny_target(tmp_path, family)
+    quantize_target(target, bits, GROUP)
+    assert isinstance(target.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert tree_plain_gap(target) <= MAX_TREE_PLAIN_GAP
+    reqs = [Request(p, N_NEW) for p in _prompts(3, seed=41)]
+    plain = [r.output_ids for r in Engine(target).generate(reqs).results]
+    drafter = random_drafter(target, draft_vocab=64)
+    for mode in ("tree", "chain", "auto"):
+        for bs in (1, 3):
+            eng = Engine(target, drafter, mode=mode, tree=TreeShape(4, 3, 10), chain_k=4, adaptive=False)
+            eng.proposer = RiggedProposer(eng, plain, 96, break_every=3)  # long accepted paths, varied
+            out = eng.generate(reqs, batch_size=bs)
+            assert [r.output_ids for r in out.results] == plain, (mode, bs)
+            assert out.stats.tau > 1.5
+
+
+def test_quantization_changes_the_target_it_is_lossless_against(tmp_path):
+    """The quantized target is a different model: its plain output may differ from the fp32 one, and
+    speculation follows the quantized one (checked above); here: int4 weights really are in use."""
+    target, _, _ = tiny_target(tmp_path, "llama")
+    x = torch.randn(1, 5, 64)
+    before = target.model.layers[0].mlp.gate_proj(x)
+    quantize_target(target, 4, GROUP)
+    after = target.model.layers[0].mlp.gate_proj(x)
+    layer = target.model.layers[0].mlp.gate_proj
+    assert not torch.equal(before, after)
+    assert torch.allclose(after, x @ layer.dequantized_weight().t(), atol=1e-5)  # the int4 weights, exactly
+
+
+def test_bad_quantization_requests_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="int8, int4 or none"):
+        parse_quantize("int3")
+    assert parse_quantize("none") is None and parse_quantize("int4") == 4
+    with pytest.raises(ValueError, match="does not divide the layer's 64 input channels"):
+        QuantizedLinear(_linear(32, 64), 4, 128)
+    with pytest.raises(ValueError, match="one of 32, 64, 128, 256"):
+        QuantizedLinear(_linear(32, 64), 4, 48)
+    with pytest.raises(ValueError, match="int8 and int4"):
+        QuantizedLinear(_linear(32, 64), 2)
+    target, _, _ = tiny_target(tmp_path, "qwen2")
+    with pytest.raises(ValueError, match="--quantize-group must be >= 1"):
+        quantize_target(target, 4, 0)
+
+
+def test_cli_generate_with_quantized_target(tmp_path, capsys):
+    from eaglespec.cli import main
+
+    _, _, target_dir = tiny_target(tmp_path, "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--max-new-tokens", "4",
+               "--quantize", "int4", "--quantize-group", "32", "--json"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0 and "int4 weight-only in the decoder layers, groups of 32" in err
+    rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--quantize", "int4",
+               "--quantize-group", "128"])  # fmt: skip
+    assert rc == 2 and "does not divide" in capsys.readouterr().err
