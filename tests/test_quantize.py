@@ -118,3 +118,35 @@ def test_cli_generate_with_quantized_target(tmp_path, capsys):
     rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--quantize", "int4",
                "--quantize-group", "128"])  # fmt: skip
     assert rc == 2 and "does not divide" in capsys.readouterr().err
+
+
+def test_sampling_preserves_the_quantized_target_distribution(tmp_path):
+    """Chi-square against an oracle we did not write: transformers running the dequantized weights."""
+    import copy
+
+    from eaglespec.models.checkpoint import load_target
+    from eaglespec.sampling import SamplingParams
+    from helpers import hf_tiny, save_hf
+    from test_sampling_lossless import PROMPT, V, _chi2, _exact
+
+    hf = hf_tiny("llama", vocab=V, hidden=32, layers=3, heads=4, kv_heads=2, init_range=0.08, seed=4)
+    target = quantize_target(load_target(save_hf(hf, tmp_path / "m")), 4, 32)
+    oracle = copy.deepcopy(hf)
+    with torch.no_grad():
+        for ours, theirs in zip(target.model.layers, oracle.model.layers):
+            for part in ("self_attn", "mlp"):
+                for name, layer in getattr(ours, part).named_children():
+                    if isinstance(layer, QuantizedLinear):
+                        getattr(getattr(theirs, part), name).weight.copy_(layer.dequantized_weight())
+    params = SamplingParams(temperature=1.0, seed=21)
+    drafter = random_drafter(target, draft_vocab=12, scale=0.3)
+    eng = Engine(target, drafter, mode="tree", tree=TreeShape(3, 3, 8), adaptive=False)
+    out = eng.generate([Request(PROMPT, 3)] * 3000, params, batch_size=750)
+    toks = torch.tensor([r.output_ids for r in out.results])
+    assert out.stats.accepted > 0.02 * out.stats.drafts
+    p1, m2, m3, _ = _exact(oracle, params)
+    counts = [torch.bincount(toks[:, i], minlength=V) for i in range(3)]
+    pvals = [_chi2(counts[0], p1), _chi2(counts[1], m2), _chi2(counts[2], m3)]
+    assert min(pvals) > 1e-3, pvals
+    # power: the same counts against a distorted distribution, and against the first token's, are rejected
+    assert _chi2(counts[1], m2**1.5 / (m2**1.5).sum()) < 1e-3 and _chi2(counts[1], p1) < 1e-3
