@@ -31,7 +31,7 @@ def _linear(n, k, bias=False, seed=0):
 def test_layer_matches_dequantized_reference_and_is_row_invariant(bits, n, bias):
     """40 output channels: not a multiple of the int4 kernel's 16-row blocks (zero-padded)."""
     lin = _linear(n, 64, bias)
-    q = QuantizedLinear(lin, bits, GROUP)
+    q = QuantizedLinear.from_linear(lin, bits, GROUP)
     w = q.dequantized_weight()
     # rounding error: at most half a quantization step per weight (a step per channel, or per group)
     step = q.scales.float()[:, :, None] if bits == 4 else q.scales.float()[:, None, None]
@@ -54,8 +54,8 @@ def test_layer_matches_dequantized_reference_and_is_row_invariant(bits, n, bias)
 def test_weight_bytes_meet_the_memory_goals():
     lin = _linear(512, 1024)
     fp32 = lin.weight.numel() * 4
-    assert QuantizedLinear(lin, 8).weight_bytes() <= 0.3 * fp32
-    assert QuantizedLinear(lin, 4, 128).weight_bytes() <= 0.17 * fp32
+    assert QuantizedLinear.from_linear(lin, 8).weight_bytes() <= 0.3 * fp32
+    assert QuantizedLinear.from_linear(lin, 4, 128).weight_bytes() <= 0.17 * fp32
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -95,11 +95,11 @@ def test_bad_quantization_requests_are_clear(tmp_path):
         parse_quantize("int3")
     assert parse_quantize("none") is None and parse_quantize("int4") == 4
     with pytest.raises(ValueError, match="does not divide the layer's 64 input channels"):
-        QuantizedLinear(_linear(32, 64), 4, 128)
+        QuantizedLinear.from_linear(_linear(32, 64), 4, 128)
     with pytest.raises(ValueError, match="one of 32, 64, 128, 256"):
-        QuantizedLinear(_linear(32, 64), 4, 48)
+        QuantizedLinear.from_linear(_linear(32, 64), 4, 48)
     with pytest.raises(ValueError, match="int8 and int4"):
-        QuantizedLinear(_linear(32, 64), 2)
+        QuantizedLinear.from_linear(_linear(32, 64), 2)
     target, _, _ = tiny_target(tmp_path, "qwen2")
     with pytest.raises(ValueError, match="--quantize-group must be >= 1"):
         quantize_target(target, 4, 0)
@@ -150,3 +150,55 @@ def test_sampling_preserves_the_quantized_target_distribution(tmp_path):
     assert min(pvals) > 1e-3, pvals
     # power: the same counts against a distorted distribution, and against the first token's, are rejected
     assert _chi2(counts[1], m2**1.5 / (m2**1.5).sum()) < 1e-3 and _chi2(counts[1], p1) < 1e-3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_saved_quantized_target_loads_without_requantizing_and_decodes_the_same(tmp_path, bits):
+    import json
+
+    from eaglespec.cli import main
+    from eaglespec.models.checkpoint import load_target
+
+    target, _, target_dir = tiny_target(tmp_path, "qwen2")
+    out = tmp_path / f"q{bits}"
+    assert main(["quantize", "--target", str(target_dir), "--out", str(out), "--bits", str(bits),
+                 "--group", "32"]) == 0  # fmt: skip
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "eaglespec" and config["bits"] == bits
+    loaded = load_target(out)
+    fresh = quantize_target(target, bits, GROUP)
+    for a, b in zip(loaded.model.layers[0].mlp.children(), fresh.model.layers[0].mlp.children()):
+        if isinstance(b, QuantizedLinear):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+            assert a.scales.dtype == torch.bfloat16
+    reqs = [Request(p, N_NEW) for p in _prompts(2, seed=43)]
+    want = [r.output_ids for r in Engine(fresh).generate(reqs).results]
+    assert [r.output_ids for r in Engine(loaded).generate(reqs).results] == want
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_target(loaded, bits, GROUP)
+
+
+def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from eaglespec.models.checkpoint import CheckpointError, load_target
+    from eaglespec.models.quantize import save_quantized
+
+    target, _, target_dir = tiny_target(tmp_path, "llama")
+    out = save_quantized(quantize_target(target, 4, GROUP), target_dir, tmp_path / "q")
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.scales"
+    save_file({k: v for k, v in tensors.items() if k != name}, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensors.*up_proj.scales"):
+        load_target(out)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    bad_configs = [({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+                   ({"quant_method": "eaglespec", "bits": 3}, "int8 and int4"),
+                   ({"quant_method": "eaglespec", "bits": 8, "group_size": 32}, "unexpected tensors.*zeros")]
+    for bad, needle in bad_configs:
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": bad}))
+        with pytest.raises(CheckpointError, match=needle):
+            load_target(out)

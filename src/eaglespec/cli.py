@@ -186,10 +186,29 @@ def _add_bench(sub):
     add_parser(sub)
 
 
+def cmd_quantize(args) -> int:
+    from .models.checkpoint import load_target
+    from .models.quantize import DEFAULT_GROUP, quantize_target, save_quantized
+
+    target = load_target(args.target)
+    quantize_target(target, args.bits, DEFAULT_GROUP if args.group is None else args.group)
+    out = save_quantized(target, args.target, args.out)
+    group = f", groups of {target.quantization['group']}" if args.bits == 4 else ""
+    print(f"[eaglespec] wrote int{args.bits}{group} quantized target to {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglespec", description="EAGLE-3/3.1 speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    p = sub.add_parser("quantize", help="write a weight-only int8/int4 quantized copy of a target (loads without "
+                       "re-quantizing)")  # fmt: skip
+    p.add_argument("--target", required=True, help="HF target directory (Llama, Mistral, Qwen2, Qwen3)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--bits", type=int, choices=[8, 4], required=True)
+    p.add_argument("--group", type=int, default=None, help="int4: channels per scale (32/64/128/256; 128)")
+    p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("toy-models", help="write a tiny random target + drafter (with a tokenizer) for trying things")
     p.add_argument("out", help="output folder")
     p.add_argument("--seed", type=int, default=0)

@@ -131,10 +131,19 @@ def load_target(path, *, device="cpu", dtype="fp32", aux_layers=None):
     cfg = TargetConfig.from_hf(hf)
     with torch.device("meta"):
         model = LlamaTarget(cfg, hf, aux_layers=aux_layers)
+    quantized = "quantization_config" in raw
+    if quantized:  # written by `eaglespec quantize` (models/quantize.py)
+        from .quantize import quantized_shells
+
+        quantized_shells(model, raw["quantization_config"], str(path))
     tensors = load_tensors(path)
     _assign(model, tensors, str(path), optional={"lm_head.weight"} if cfg.tie_word_embeddings else set())
     model.rotary = type(model.rotary)(*_rope(hf))
     model.to(device=device, dtype=parse_dtype(dtype))
+    if quantized:
+        from .quantize import hold_scales
+
+        hold_scales(model)
     model.eval().requires_grad_(False)
     return model
 

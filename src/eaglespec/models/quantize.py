@@ -17,6 +17,10 @@ same layers, so speculative output is defined against -- and equals -- the quant
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,53 +39,79 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision. Holds the integer
-    codes as buffers."""
+    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision. Buffers: `codes`
+    (int8 [out, in]; int4: two codes per byte [out, in / 2], the even column in the low nibble),
+    `scales` (bf16 [out] or [out, in / group]) and, for int4, `zeros` (bf16 [out, in / group]): the
+    layout `eaglespec quantize` saves."""
 
-    def __init__(self, linear: nn.Linear, bits: int, group: int = DEFAULT_GROUP):
+    def __init__(self, in_features: int, out_features: int, bits: int, group: int = DEFAULT_GROUP,
+                 bias: bool = False, device=None):  # fmt: skip
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"--quantize supports int8 and int4, got {bits} bits")
-        w = linear.weight.detach().float()
-        n, k = w.shape
-        self.in_features, self.out_features, self.bits, self.group = k, n, bits, group
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        # scales (and int4 zero points) are held in the kernels' bf16; codes are rounded against those
-        # held values, so every weight is within half a step of what the layer computes with
-        if bits == 8:
-            scale = _held(w.abs().amax(1) / 127)
-            self.register_buffer("codes", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-            self.register_buffer("scales", scale.to(COMPUTE_DTYPE))
-            self.register_buffer("zeros", torch.zeros(0))
-        else:
+        n, k = out_features, in_features
+        if bits == 4:
             if group not in INT4_GROUPS:
                 raise ValueError(f"--quantize-group must be one of {', '.join(map(str, INT4_GROUPS))} "
                                  f"(the int4 kernel's group sizes), got {group}")  # fmt: skip
             if k % group:
                 raise ValueError(f"int4 group size {group} does not divide the layer's {k} input channels; "
                                  f"use --quantize-group with a divisor of {k} or --quantize int8")  # fmt: skip
+        self.in_features, self.out_features, self.bits, self.group = k, n, bits, group
+        kw = {"device": device}
+        self.bias = nn.Parameter(torch.zeros(n, **kw), requires_grad=False) if bias else None
+        if bits == 8:
+            self.register_buffer("codes", torch.zeros(n, k, dtype=torch.int8, **kw))
+            self.register_buffer("scales", torch.zeros(n, dtype=COMPUTE_DTYPE, **kw))
+            self.register_buffer("zeros", None)
+        else:
+            self.register_buffer("codes", torch.zeros(n, k // 2, dtype=torch.uint8, **kw))
+            self.register_buffer("scales", torch.zeros(n, k // group, dtype=COMPUTE_DTYPE, **kw))
+            self.register_buffer("zeros", torch.zeros(n, k // group, dtype=COMPUTE_DTYPE, **kw))
+        self._kernels = {}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group: int = DEFAULT_GROUP) -> QuantizedLinear:
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        q = cls(k, n, bits, group, bias=linear.bias is not None)
+        if linear.bias is not None:
+            q.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        # scales (and int4 zero points) are held in bf16; codes are rounded against those held values,
+        # so every weight is within half a step of what the layer computes with
+        if bits == 8:
+            scale = _held(w.abs().amax(1) / 127)
+            q.codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            q.scales = scale.to(COMPUTE_DTYPE)
+        else:
             wg = w.view(n, k // group, group)
             low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
             scale = _held((high - low) / 15)
             zero = (low + 8 * scale).to(COMPUTE_DTYPE).float()  # the kernel computes (code - 8) * scale + zero
             codes = (torch.round((wg - zero) / scale) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
-            self.register_buffer("codes", codes)  # one code per byte here; the kernel's packing is derived
-            self.register_buffer("scales", scale.view(n, -1).to(COMPUTE_DTYPE))
-            self.register_buffer("zeros", zero.view(n, -1).to(COMPUTE_DTYPE))
-        self._kernels = {}
+            q.codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            q.scales = scale.view(n, -1).to(COMPUTE_DTYPE)
+            q.zeros = zero.view(n, -1).to(COMPUTE_DTYPE)
+        return q
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """[out, in] integer codes (int4: 0..15)."""
+        if self.bits == 8:
+            return self.codes
+        low, high = self.codes & 0xF, self.codes >> 4
+        return torch.stack([low, high], -1).view(self.out_features, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer computes with, in fp32 (the reference for tests and other devices)."""
         if self.bits == 8:
             return self.codes.float() * self.scales.float()[:, None]
-        n, k = self.codes.shape
-        groups = self.codes.float().view(n, k // self.group, self.group) - 8
+        n, k = self.out_features, self.in_features
+        groups = self.unpacked_codes().float().view(n, k // self.group, self.group) - 8
         return (groups * self.scales.float()[..., None] + self.zeros.float()[..., None]).view(n, k)
 
     def weight_bytes(self) -> int:
-        """Bytes read per call: int4 codes counted at half a byte each, plus scales (and minimums)."""
-        code_bytes = self.codes.numel() if self.bits == 8 else self.codes.numel() // 2
-        return code_bytes + sum(t.numel() * t.element_size() for t in (self.scales, self.zeros))
+        """Bytes of codes, scales and zero points (what a forward reads)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
 
     def _cpu_kernel(self, dtype: torch.dtype):
         """torch's kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
@@ -93,7 +123,7 @@ class QuantizedLinear(nn.Module):
             else:
                 n, pad = self.out_features, -self.out_features % INT4_ROWS
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                    F.pad(self.codes.to(torch.int32), (0, 0, 0, pad)), 1)  # fmt: skip
+                    F.pad(self.unpacked_codes().to(torch.int32), (0, 0, 0, pad)), 1)  # fmt: skip
                 sz = torch.stack([self.scales.float(), self.zeros.float()], -1)
                 sz = F.pad(sz, (0, 0, 0, 0, 0, pad), value=1.0).transpose(0, 1).contiguous().to(dtype)
                 group = self.group
@@ -133,13 +163,82 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP) ->
     place. Embeddings and lm_head stay in the loaded precision (the drafter shares the embedding)."""
     if group < 1:
         raise ValueError(f"--quantize-group must be >= 1, got {group}")
+    if getattr(target, "quantization", None) is not None:
+        raise ValueError("this target is already quantized (a saved `eaglespec quantize` directory): "
+                         "load it without --quantize")  # fmt: skip
     for layer in target.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, QuantizedLinear(child, bits, group))
+                    setattr(parent, name, QuantizedLinear.from_linear(child, bits, group))
             for fused in ("_qkv", "_gate_up"):  # matmuls fused earlier read the old weights: drop them
                 if hasattr(parent, fused):
                     delattr(parent, fused)
     target.quantization = {"bits": bits, "group": group if bits == 4 else None}
     return target
+
+
+# -- saved quantized targets ---------------------------------------------------------------------------
+QUANT_METHOD = "eaglespec"  # quantization_config.quant_method of directories written by `eaglespec quantize`
+WEIGHT_FILES = (".safetensors", ".bin")
+NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
+    """Write a quantized target as an HF-style directory that loads without re-quantizing: config.json
+    with a `quantization_config`, model.safetensors (codes/scales/zeros per quantized layer, the other
+    tensors as loaded), and the source's tokenizer and generation files."""
+    from .checkpoint import save_tensors, write_json
+
+    q = getattr(target, "quantization", None)
+    if q is None:
+        raise ValueError("the target is not quantized: call quantize_target first")
+    source, out = Path(source_dir), Path(out_dir)
+    if out.resolve() == source.resolve():
+        raise ValueError(f"--out {out} is the source directory; choose another folder")
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("rotary.")}
+    if target.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding, saved once
+    save_tensors(state, out)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix not in WEIGHT_FILES and f.name not in NOT_COPIED:
+            shutil.copyfile(f, out / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": q["bits"], "group_size": q["group"],
+                                     "modules": "decoder layers: self_attn and mlp linears"}  # fmt: skip
+    write_json(config, out / "config.json")
+    return out
+
+
+def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
+    """Before loading a saved quantized target: replace the decoder layers' linears of a (meta) model
+    by empty QuantizedLinear of the saved layout, so the checkpoint's tensors are checked against it."""
+    from .checkpoint import CheckpointError
+
+    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
+        method = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
+        raise CheckpointError(f"{where}: quantization_config.quant_method {method!r} is not supported; eaglespec "
+                              f"reads the layout `eaglespec quantize` writes ({QUANT_METHOD!r}), or quantizes an "
+                              "unquantized model at load with --quantize")  # fmt: skip
+    bits, group = qcfg.get("bits"), qcfg.get("group_size") or DEFAULT_GROUP
+    try:
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear):
+                        shell = QuantizedLinear(child.in_features, child.out_features, bits, group,
+                                                bias=child.bias is not None, device="meta")  # fmt: skip
+                        setattr(parent, name, shell)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: bad quantization_config ({e})") from None
+    model.quantization = {"bits": bits, "group": group if bits == 4 else None}
+
+
+def hold_scales(model: nn.Module) -> None:
+    """After model.to(dtype): keep scales and zero points at the precision they were saved in."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.scales = m.scales.to(COMPUTE_DTYPE)
+            if m.zeros is not None:
+                m.zeros = m.zeros.to(COMPUTE_DTYPE)
+            m._kernels = {}
