@@ -98,8 +98,8 @@ def cmd_generate(args) -> int:
                          quantize_group=args.quantize_group)  # fmt: skip
     dtype, why = engine.precision
     print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
-    if args.quantize != "none":
-        q = engine.target.quantization
+    q = getattr(engine.target, "quantization", None)  # --quantize, or a saved `eaglespec quantize` directory
+    if q is not None:
         group = f", groups of {q['group']}" if q["group"] else ""
         print(f"[eaglespec] weights: int{q['bits']} weight-only in the decoder layers{group} ({dtype} matmuls)",
               file=sys.stderr)  # fmt: skip

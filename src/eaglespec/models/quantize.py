@@ -196,14 +196,20 @@ def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
     source, out = Path(source_dir), Path(out_dir)
     if out.resolve() == source.resolve():
         raise ValueError(f"--out {out} is the source directory; choose another folder")
+    from .checkpoint import parse_dtype
+
+    config = json.loads((source / "config.json").read_text())
+    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
     state = {k: v for k, v in target.state_dict().items() if not k.startswith("rotary.")}
     if target.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the embedding, saved once
+    held = {id(t) for m in target.modules() if isinstance(m, QuantizedLinear) for t in (m.scales, m.zeros)}
+    state = {k: v.to(parse_dtype(stored)) if v.is_floating_point() and id(v) not in held else v
+             for k, v in state.items()}  # unquantized tensors in the source's precision  # fmt: skip
     save_tensors(state, out)
     for f in source.iterdir():
         if f.is_file() and f.suffix not in WEIGHT_FILES and f.name not in NOT_COPIED:
             shutil.copyfile(f, out / f.name)
-    config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": q["bits"], "group_size": q["group"],
                                      "modules": "decoder layers: self_attn and mlp linears"}  # fmt: skip
     write_json(config, out / "config.json")
