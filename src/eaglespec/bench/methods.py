@@ -165,6 +165,7 @@ class Models:
     drafters: list[tuple[str, Path, object]]  # (label, path, Eagle3Drafter)
     dtype: str = "fp32"
     compiled: str = "eager"
+    quantize: str | None = None  # our target's --quantize (the llama.cpp peer picks its nearest GGUF type)
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
@@ -178,7 +179,8 @@ def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | N
         quantize_target(target, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
-    return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype)
+    return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,
+                  quantize=quantize if bits is not None else None)  # fmt: skip
 
 
 def compile_models(models: Models, requested: str, expected_tokens: int) -> tuple[bool, str]:
@@ -262,7 +264,8 @@ def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k:
         methods += llamacpp_methods(llama, models.target_dir, [(lb, p) for lb, p, _ in models.drafters], stop_ids,
                                     threads=torch.get_num_threads(), dtype=models.dtype, chain_k=chain_k,
                                     source_dir=gguf_source,
-                                    not_lossless=RANDOM_WEIGHTS if gguf_source else None)  # fmt: skip
+                                    not_lossless=RANDOM_WEIGHTS if gguf_source else None,
+                                    quantize=models.quantize)  # fmt: skip
     return methods
 
 

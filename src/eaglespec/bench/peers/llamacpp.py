@@ -220,16 +220,21 @@ def accepted_per_position(metrics: dict[str, float]) -> list[int]:
 
 def server_args(gguf: Path, threads: int, kv: str) -> list[str]:
     # the target's full context (small for the bundled models); KV cache in the weights' type (f32 at fp32, as ours)
-    return ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "0", "-ctk", kv, "-ctv", kv,
+    args = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "0", "-ctk", kv, "-ctv", kv,
             "--metrics", "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]  # fmt: skip
+    if "-q8_0-" in gguf.name:  # its AMX repacking of q8_0 segfaults at load on our Xeon (llama.cpp#20824)
+        args.append("--no-repack")
+    return args
 
 
 def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dtype: str = "fp32",
-                     chain_k: int = 4, source_dir=None, not_lossless: str | None = None) -> list[Method]:  # fmt: skip
+                     chain_k: int = 4, source_dir=None, not_lossless: str | None = None,
+                     quantize: str | None = None) -> list[Method]:  # fmt: skip
     """The requested llama.cpp methods; [] with a printed reason when llama.cpp is not built.
     drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason.
     source_dir: what the converter reads (default target_dir; --shape targets need a tokenizer added);
-    not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties)."""
+    not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties).
+    quantize: our target's --quantize; int8 runs llama.cpp on q8_0 weights (its nearest format)."""
     from .llamacpp_convert import UnsupportedDrafter, check_drafter_supported, convert_drafter, convert_target
 
     if not kinds:
@@ -242,6 +247,11 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     if dtype not in OUTTYPE:
         raise ValueError(f"llama.cpp peer: no GGUF type for dtype {dtype!r} (choose from {', '.join(OUTTYPE)})")
     outtype = kv = OUTTYPE[dtype]
+    if quantize == "int8":
+        outtype, not_lossless = "q8_0", not_lossless or "q8_0 (blocks of 32) quantizes unlike our int8 per channel"
+    elif quantize not in (None, "none"):
+        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 -> q8_0 only; "
+                         "q4_0 needs llama-quantize)")  # fmt: skip
     target_gguf = convert_target(root, source_dir or target_dir, outtype)
     binary, logs = root / "build" / "bin" / SERVER, root / "logs"
     base = {"engine": "llama.cpp llama-server", "gguf": str(target_gguf), "outtype": outtype, "threads": threads,
