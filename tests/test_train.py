@@ -280,3 +280,20 @@ def test_write_shard_is_atomic_and_round_trips(tmp_path):
     back = read_shard(tmp_path / "shard-00000.safetensors")
     assert [b.input_ids.tolist() for b in back] == [[1, 2, 3], [4]]
     assert [b.loss_mask.tolist() for b in back] == [[False, True, True], [True]]
+
+
+def test_drafter_fine_tunes_against_a_saved_quantized_target(learn, tmp_path):
+    """The recipe for a quantized target (README): `eaglespec quantize`, regenerate the replies with the
+    quantized target, train with `--target` the quantized directory. The drafter learns its outputs."""
+    from eaglespec.models.checkpoint import load_target
+    from eaglespec.models.quantize import QuantizedLinear, quantize_target, save_quantized
+
+    target, tdir, _, _ = learn
+    qdir = save_quantized(quantize_target(load_target(tdir), 4, 32), tdir, tmp_path / "q4")
+    qtarget = load_target(qdir)
+    assert isinstance(qtarget.model.layers[0].mlp.up_proj, QuantizedLinear)
+    data = write_data(tmp_path / "data", generated_samples(qtarget, 160), qdir)
+    trainer = Trainer(_cfg(learn, tmp_path / "run", target=str(qdir), data=data, steps=60), progress=False)
+    assert isinstance(trainer.target.model.layers[0].mlp.up_proj, QuantizedLinear)
+    trainer.train()
+    assert trainer.evaluate()["tau"] >= 1.5
