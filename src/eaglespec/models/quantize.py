@@ -1,5 +1,5 @@
 """Weight-only quantization of a target's linear layers at load time: int8 (symmetric, one scale per
-output channel) or int4 (asymmetric, a scale and a minimum per group of `group` input channels).
+output channel) or int4 (asymmetric, a scale and a zero point per group of `group` input channels).
 
 Kernels: torch's own CPU kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`):
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`. A row's result does not depend on the other
@@ -29,13 +29,13 @@ BITS = (8, 4)
 DEFAULT_GROUP = 128  # int4: 0.14x of fp32's bytes with scales, against 0.19x at group 32 (BENCHMARKS §12)
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
 INT4_ROWS = 16  # the int4 CPU kernel packs output channels in blocks of 16: others are zero-padded
-COMPUTE_DTYPE = torch.bfloat16  # scales and zero points are held at bf16 precision (the kernels' smallest)
+HELD_DTYPE = torch.bfloat16  # scales and zero points are held at bf16 precision (the kernels' smallest)
 
 
 def _held(scale: torch.Tensor) -> torch.Tensor:
     """The scale as the kernel will hold it (bf16), nudged up first so that rounding never shrinks it
     (a smaller scale would push the largest weights past the last code)."""
-    return (scale.clamp(min=1e-12) * (1 + 2**-8)).to(COMPUTE_DTYPE).float()
+    return (scale.clamp(min=1e-12) * (1 + 2**-8)).to(HELD_DTYPE).float()
 
 
 class QuantizedLinear(nn.Module):
@@ -62,12 +62,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n, **kw), requires_grad=False) if bias else None
         if bits == 8:
             self.register_buffer("codes", torch.zeros(n, k, dtype=torch.int8, **kw))
-            self.register_buffer("scales", torch.zeros(n, dtype=COMPUTE_DTYPE, **kw))
+            self.register_buffer("scales", torch.zeros(n, dtype=HELD_DTYPE, **kw))
             self.register_buffer("zeros", None)
         else:
             self.register_buffer("codes", torch.zeros(n, k // 2, dtype=torch.uint8, **kw))
-            self.register_buffer("scales", torch.zeros(n, k // group, dtype=COMPUTE_DTYPE, **kw))
-            self.register_buffer("zeros", torch.zeros(n, k // group, dtype=COMPUTE_DTYPE, **kw))
+            self.register_buffer("scales", torch.zeros(n, k // group, dtype=HELD_DTYPE, **kw))
+            self.register_buffer("zeros", torch.zeros(n, k // group, dtype=HELD_DTYPE, **kw))
         self._kernels = {}
 
     @classmethod
@@ -82,16 +82,16 @@ class QuantizedLinear(nn.Module):
         if bits == 8:
             scale = _held(w.abs().amax(1) / 127)
             q.codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            q.scales = scale.to(COMPUTE_DTYPE)
+            q.scales = scale.to(HELD_DTYPE)
         else:
             wg = w.view(n, k // group, group)
             low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
             scale = _held((high - low) / 15)
-            zero = (low + 8 * scale).to(COMPUTE_DTYPE).float()  # the kernel computes (code - 8) * scale + zero
+            zero = (low + 8 * scale).to(HELD_DTYPE).float()  # the kernel computes (code - 8) * scale + zero
             codes = (torch.round((wg - zero) / scale) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
             q.codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-            q.scales = scale.view(n, -1).to(COMPUTE_DTYPE)
-            q.zeros = zero.view(n, -1).to(COMPUTE_DTYPE)
+            q.scales = scale.view(n, -1).to(HELD_DTYPE)
+            q.zeros = zero.view(n, -1).to(HELD_DTYPE)
         return q
 
     def unpacked_codes(self) -> torch.Tensor:
@@ -244,7 +244,7 @@ def hold_scales(model: nn.Module) -> None:
     """After model.to(dtype): keep scales and zero points at the precision they were saved in."""
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
-            m.scales = m.scales.to(COMPUTE_DTYPE)
+            m.scales = m.scales.to(HELD_DTYPE)
             if m.zeros is not None:
-                m.zeros = m.zeros.to(COMPUTE_DTYPE)
+                m.zeros = m.zeros.to(HELD_DTYPE)
             m._kernels = {}
