@@ -4,6 +4,8 @@ tree/chain/auto, batched, int8 and int4, and bad input."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -202,3 +204,73 @@ def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
         (out / "config.json").write_text(json.dumps({**config, "quantization_config": bad}))
         with pytest.raises(CheckpointError, match=needle):
             load_target(out)
+
+
+@pytest.mark.parametrize("fmt, bits", [("pack-quantized", 4), ("pack-quantized", 8), ("int-quantized", 8)])
+def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_its_weights(tmp_path, fmt, bits):
+    """A checkpoint written with compressed-tensors' own compressors (what vLLM loads): our layers equal
+    the library's decompressed weights, and greedy decoding equals transformers running those weights."""
+    import json
+
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    from eaglespec.models.checkpoint import load_target
+    from helpers import hf_tiny, save_hf
+
+    hf = hf_tiny("llama", seed=5)
+    src = Path(save_hf(hf, tmp_path / "dense"))
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group" if bits == 4 else "channel",
+                            group_size=32 if bits == 4 else None)  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.load_from_registry(fmt)
+    tensors, dense = load_file(str(src / "model.safetensors")), {}
+    for name in [k for k in tensors if k.startswith("model.layers.") and k.endswith("proj.weight")]:
+        w, prefix = tensors.pop(name).float(), name[: -len(".weight")]
+        levels = 7.5 if bits == 4 else 127.0
+        amax = w.view(w.shape[0], -1, 32).abs().amax(-1) if bits == 4 else w.abs().amax(1, keepdim=True)
+        scale = (amax / levels).to(torch.bfloat16)
+        zero = torch.zeros_like(scale, dtype=torch.int8)
+        packed = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        exact = {**packed, "weight_scale": packed["weight_scale"].float()}  # code x scale without bf16 rounding
+        dense[name] = compressor.decompress(exact, scheme)["weight"].float()
+        tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
+    out = tmp_path / "ct"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                     "config_groups": {"group_0": scheme.model_dump()}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    target = load_target(out)
+    layer = target.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.bits == bits
+    assert torch.equal(layer.dequantized_weight(), dense["model.layers.1.mlp.down_proj.weight"])
+    oracle = hf_tiny("llama", seed=5)
+    oracle.load_state_dict({**oracle.state_dict(), **dense})
+    prompt = _prompts(1, seed=44)[0]
+    ours = Engine(target).generate([Request(prompt, N_NEW)]).results[0].output_ids
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        for _ in range(N_NEW):
+            ids = torch.cat([ids, oracle(ids).logits[:, -1:].argmax(-1)], 1)
+    assert ours == ids[0, len(prompt):].tolist()
+
+
+def test_unsupported_compressed_tensors_configs_are_refused(tmp_path):
+    import json
+
+    from eaglespec.models.checkpoint import CheckpointError, load_target
+
+    src = Path(tiny_target(tmp_path, "llama")[2])
+    config = json.loads((src / "config.json").read_text())
+    w8a8 = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}  # fmt: skip
+    fp8 = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}
+    for group, needle in [(w8a8, "activation quantization is not supported"), (fp8, "float symmetric weights")]:
+        qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": group}}
+        (src / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
+        with pytest.raises(CheckpointError, match=needle):
+            load_target(src)

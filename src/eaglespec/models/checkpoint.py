@@ -132,11 +132,16 @@ def load_target(path, *, device="cpu", dtype="fp32", aux_layers=None):
     with torch.device("meta"):
         model = LlamaTarget(cfg, hf, aux_layers=aux_layers)
     quantized = "quantization_config" in raw
-    if quantized:  # written by `eaglespec quantize` (models/quantize.py)
+    tensors = load_tensors(path)
+    if quantized:  # written by `eaglespec quantize` (models/quantize.py) or in compressed-tensors' layout
         from .quantize import quantized_shells
 
-        quantized_shells(model, raw["quantization_config"], str(path))
-    tensors = load_tensors(path)
+        qcfg = raw["quantization_config"]
+        if isinstance(qcfg, dict) and qcfg.get("quant_method") == "compressed-tensors":
+            from .compressed import to_eaglespec_layout
+
+            qcfg = to_eaglespec_layout(tensors, qcfg, str(path))
+        quantized_shells(model, qcfg, str(path))
     _assign(model, tensors, str(path), optional={"lm_head.weight"} if cfg.tie_word_embeddings else set())
     model.rotary = type(model.rotary)(*_rope(hf))
     model.to(device=device, dtype=parse_dtype(dtype))

@@ -224,8 +224,9 @@ def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
     if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
         method = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
         raise CheckpointError(f"{where}: quantization_config.quant_method {method!r} is not supported; eaglespec "
-                              f"reads the layout `eaglespec quantize` writes ({QUANT_METHOD!r}), or quantizes an "
-                              "unquantized model at load with --quantize")  # fmt: skip
+                              f"reads the layout `eaglespec quantize` writes ({QUANT_METHOD!r}) and "
+                              "compressed-tensors (models/compressed.py), or quantizes an unquantized model at "
+                              "load with --quantize")  # fmt: skip
     bits, group = qcfg.get("bits"), qcfg.get("group_size") or DEFAULT_GROUP
     try:
         for layer in model.model.layers:
