@@ -30,26 +30,37 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "auto"):
+def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "auto", quantize: str | None = None,
+                                quantize_group: int | None = None):  # fmt: skip
     """(target, dtype, reason). dtype "auto": the fastest precision for the device (models/precision.py),
     kept only if a token's logits in a verification forward match its plain step's there (else fp32),
-    so greedy speculation stays identical to plain decoding."""
+    so greedy speculation stays identical to plain decoding. quantize: "int8"/"int4" weight-only
+    quantization of the decoder layers (models/quantize.py), applied before that check."""
     from .models.checkpoint import read_config
     from .models.fast_linear import prepare_for_inference
     from .models.precision import MAX_TREE_PLAIN_GAP, choose_dtype, tree_plain_gap
+    from .models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
+
+    bits = parse_quantize(quantize)  # bad input fails before anything loads
+
+    def load(name: str):
+        tgt = load_target(target, device=device, dtype=name)
+        if bits is not None:
+            quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
+        return tgt
 
     raw = read_config(target)
     dims = {"hidden": raw.get("hidden_size", 1024), "intermediate": raw.get("intermediate_size", 4096),
             "vocab": raw.get("vocab_size", 32000)}  # fmt: skip
     chosen, why = choose_dtype(device, dtype, **dims)
-    tgt = load_target(target, device=device, dtype=chosen)
+    tgt = load(chosen)
     if dtype == "auto" and chosen != "fp32":
         gap = tree_plain_gap(prepare_for_inference(tgt))
         if gap > MAX_TREE_PLAIN_GAP:  # faster, but verification would round unlike plain steps
             why = (f"{chosen} was faster ({why}) but its verification logits differ from plain steps by "
                    f"{gap:.3g} on this machine, which changes greedy tokens")  # fmt: skip
             chosen = "fp32"
-            tgt = load_target(target, device=device, dtype=chosen)
+            tgt = load(chosen)
     return tgt, chosen, why
 
 
@@ -81,14 +92,10 @@ def load_engine(
     the quantized target), int4 in groups of `quantize_group` input channels."""
     import torch
 
-    from .models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
-
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
-    bits = parse_quantize(quantize)
-    tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype)
-    if bits is not None:
-        quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
+    tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,
+                                                  quantize_group=quantize_group)  # fmt: skip
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)

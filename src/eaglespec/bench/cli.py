@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantized target (models/quantize.py); peers still run the unquantized one")
+                   help="weight-only quantized target (models/quantize.py); transformers peers run it unquantized, "
+                        "llama.cpp on q8_0 for int8")
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")

@@ -171,16 +171,13 @@ class Models:
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
                 quantize_group: int | None = None) -> Models:  # fmt: skip
     from ..api import load_target_for_speculation
-    from ..models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
 
-    bits = parse_quantize(quantize)
-    target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype)
-    if bits is not None:
-        quantize_target(target, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
+    target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
+                                                      quantize_group=quantize_group)  # fmt: skip
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,
-                  quantize=quantize if bits is not None else None)  # fmt: skip
+                  quantize=quantize if quantize != "none" else None)  # fmt: skip
 
 
 def compile_models(models: Models, requested: str, expected_tokens: int) -> tuple[bool, str]:

@@ -157,8 +157,9 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
 
 
 def kernel_signature(model: nn.Module) -> str:
-    """Which matmuls run packed (P) or through F.linear (F), in module order: step costs measured with
-    one choice do not hold for another (spec/costs.py keys its cache by this)."""
+    """Which fused or wrapped matmuls run packed (P) or through F.linear (F), in module order (linears
+    left unwrapped always run F.linear): step costs measured with one choice do not hold for another
+    (spec/costs.py keys its cache by this)."""
     marks = []
     for m in model.modules():
         fast = [getattr(m, "_qkv", None), getattr(m, "_gate_up", None), getattr(m, "fast", None)]

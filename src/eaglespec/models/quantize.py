@@ -166,16 +166,22 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP) ->
     if getattr(target, "quantization", None) is not None:
         raise ValueError("this target is already quantized (a saved `eaglespec quantize` directory): "
                          "load it without --quantize")  # fmt: skip
-    for layer in target.model.layers:
+    _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group))
+    target.quantization = {"bits": bits, "group": group if bits == 4 else None}
+    return target
+
+
+def _replace_decoder_linears(model: nn.Module, make) -> None:
+    """Every nn.Linear of the decoder layers' attention and MLP -> make(linear), in place; matmuls fused
+    from them earlier (models/fast_linear.py) read the old weights and are dropped."""
+    for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, QuantizedLinear.from_linear(child, bits, group))
-            for fused in ("_qkv", "_gate_up"):  # matmuls fused earlier read the old weights: drop them
+                    setattr(parent, name, make(child))
+            for fused in ("_qkv", "_gate_up"):
                 if hasattr(parent, fused):
                     delattr(parent, fused)
-    target.quantization = {"bits": bits, "group": group if bits == 4 else None}
-    return target
 
 
 # -- saved quantized targets ---------------------------------------------------------------------------
@@ -229,13 +235,8 @@ def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
                               "load with --quantize")  # fmt: skip
     bits, group = qcfg.get("bits"), qcfg.get("group_size") or DEFAULT_GROUP
     try:
-        for layer in model.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        shell = QuantizedLinear(child.in_features, child.out_features, bits, group,
-                                                bias=child.bias is not None, device="meta")  # fmt: skip
-                        setattr(parent, name, shell)
+        _replace_decoder_linears(model, lambda linear: QuantizedLinear(
+            linear.in_features, linear.out_features, bits, group, bias=linear.bias is not None, device="meta"))
     except ValueError as e:
         raise CheckpointError(f"{where}: bad quantization_config ({e})") from None
     model.quantization = {"bits": bits, "group": group if bits == 4 else None}

@@ -62,9 +62,9 @@ class StepCosts:
         if not self.long or self.context == CALIBRATION_CONTEXT or base == float("inf"):
             return base
         top = max(self.long)
-        long = _interpolate(self.long, n) if n <= top else self.long[top] + (n - top) / top * (
-            self.long[top] - _interpolate(self.verify, top))  # fmt: skip
-        slope = max(0.0, long - base) / (self.long_context - CALIBRATION_CONTEXT)
+        extra = (self.long[top] - _interpolate(self.verify, top)) * n / top if n > top else \
+            _interpolate(self.long, n) - base  # what the long context added, measured or scaled in n  # fmt: skip
+        slope = max(0.0, extra) / (self.long_context - CALIBRATION_CONTEXT)
         return max(0.5 * base, base + slope * (self.context - CALIBRATION_CONTEXT))
 
     def verify_costs(self, up_to: int) -> list[float]:
