@@ -90,12 +90,15 @@ def test_targets_from_topk_with_full_k_equal_online_targets():
     assert torch.equal(offline.in_vocab, online.in_vocab)
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window4"])
 @pytest.mark.parametrize("flags", [(False, False), (True, True)], ids=["eagle3", "eagle3.1"])
-def test_ttt_steps_equal_cached_inference_chains(tmp_path, flags):
+def test_ttt_steps_equal_cached_inference_chains(tmp_path, flags, window):
     """TTT mask definition: step k at row i must equal inference where the context pairs 0..i sit in the
-    drafter's KV cache and the chain's k extra tokens (teacher-forced) follow at positions i+1..i+k."""
+    drafter's KV cache and the chain's k extra tokens (teacher-forced) follow at positions i+1..i+k.
+    With an attention window, training masks exactly what the inference cache leaves out."""
     target, _ = learnable_target(tmp_path / "t", attn_scale=1.0)
     drafter = random_drafter(target, fc_norm=flags[0], norm_output=flags[1], draft_vocab=48)
+    drafter.cfg.draft_attention_window = window
     drafter.attach_target_embedding(target.model.embed_tokens)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (1, 9), generator=g)

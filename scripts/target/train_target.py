@@ -205,7 +205,8 @@ def train(args):
         if ckpt_path.exists() and not args.overwrite:
             sys.exit(f"{ckpt_path} exists: use --resume (or --overwrite to start over)")
         tokens_per_step = args.batch * args.seq
-        hp = dict(model=MODEL_CONFIG, mixture=MIXTURE, seq=args.seq, batch=args.batch, lr=args.lr,
+        model_config = dict(MODEL_CONFIG, **({"rope_theta": args.rope_theta} if args.rope_theta else {}))
+        hp = dict(model=model_config, mixture=MIXTURE, seq=args.seq, batch=args.batch, lr=args.lr,
                   min_lr_frac=args.min_lr_frac, warmup_steps=args.warmup_steps,
                   total_tokens=int(args.total_tokens), total_steps=int(args.total_tokens) // tokens_per_step,
                   weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, seed=args.seed, bf16=args.bf16,
@@ -408,6 +409,8 @@ def main():
     ap.add_argument("--run-dir", default=str(ROOT / "runs/target"))
     # schedule / hparams (fresh runs only; a resumed run uses the checkpoint's)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rope-theta", type=float, default=0.0,
+                    help="new runs: RoPE base written to the model config (default 10000; raise it for long context)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)

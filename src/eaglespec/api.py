@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
 from .models.checkpoint import CheckpointError, load_target
-from .models.drafter import load_drafter
+from .models.drafter import load_drafter, set_attention_window
 from .sampling import SamplingParams
 from .spec.proposer import TreeShape
 
@@ -76,6 +76,7 @@ def load_engine(
     adaptive: bool = True,
     confidence: float = 0.0,
     draft_prefill_window: int | None = None,
+    draft_window: int | None = None,
     compile: str = "off",
     expected_tokens: int | None = None,
     quantize: str | None = None,
@@ -85,7 +86,8 @@ def load_engine(
 
     dtype "auto" picks the fastest lossless precision for the device (models/precision.py); the
     choice and its reason are in `engine.precision`. draft_prefill_window: the last N prompt tokens
-    the drafter reads at prefill (None: the engine default, 0: the whole prompt). compile: "on",
+    the drafter reads at prefill (None: the engine default, 0: the whole prompt). draft_window: the
+    drafter's attention window (None: its config's draft_attention_window, 0: none). compile: "on",
     "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
     the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only
     quantization of the target's decoder layers (models/quantize.py; speculation is lossless against
@@ -99,6 +101,7 @@ def load_engine(
     drafter = None
     if draft is not None and mode != "off":
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
+        set_attention_window(drafter, draft_window, tgt.cfg.max_position_embeddings)
     window = DRAFT_PREFILL_WINDOW if draft_prefill_window is None else draft_prefill_window
     engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
                     adaptive=adaptive, confidence=confidence, draft_prefill_window=window)  # fmt: skip

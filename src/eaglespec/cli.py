@@ -47,6 +47,9 @@ def _add_generate(sub):
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
                    help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="sliding window of the drafter's own attention (default: the drafter's "
+                        "draft_attention_window, if it was trained with one; 0: none)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="fixed shapes: stop drafting below this cumulative draft probability (auto sets its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -93,7 +96,7 @@ def cmd_generate(args) -> int:
         items = read_jsonl(args.input)
     engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
-                         draft_prefill_window=args.draft_prefill_window, compile=args.compile,
+                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window, compile=args.compile,
                          expected_tokens=len(items) * args.max_new_tokens, quantize=args.quantize,
                          quantize_group=args.quantize_group)  # fmt: skip
     dtype, why = engine.precision

@@ -25,9 +25,9 @@ class StepMeta:
 
     rows:       [B] slot indices (or None for slots 0..B-1, which lets reads be views).
     write_pos:  [B, T] cache positions the T new tokens are written to.
-    mask:       [B, 1, T, S] bool, True where query t may attend to cache column s (S = span);
+    mask:       [B, 1, T, S - start] bool, True where query t may attend to cache column start + s;
                 None when every query sees every column (a plain decoding step).
-    span:       number of cache columns read this step.
+    span:       one past the last cache column read this step.
     write_start: the common first write position when rows is None and every row starts there
                 (the writes are then one slice copy instead of a scatter); else None.
     """
@@ -37,6 +37,7 @@ class StepMeta:
     mask: torch.Tensor | None
     span: int
     write_start: int | None = None
+    start: int = 0  # first cache column read: with a sliding window, older columns are never visible
 
 
 class KVCache:
@@ -149,22 +150,25 @@ class KVCache:
         write_pos = base[:, None] + torch.arange(t, device=self.device)
         if t == 1 and recent == 0 and lo == hi and self.sliding_window is None:
             return StepMeta(rows, write_pos, None, span, write_start)  # one new token sees everything
-        cols = torch.arange(span, device=self.device)
+        if self.sliding_window is not None and new_positions is None:
+            new_positions = write_pos  # new tokens consecutive after the committed ones, as in prefill
+        start = 0
+        if self.sliding_window is not None:  # read only columns some query can see: cost flat in length
+            first_query = int(new_positions.min())
+            start = max(0, min(first_query - self.sliding_window + 1, lo - recent))
+        cols = torch.arange(start, span, device=self.device)
         rel = cols[None, :] - (base[:, None] - recent)  # [B, S] column index into new_mask
         explicit = (rel >= 0) & (rel < width)
-        picked = new_mask.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(batch, t, span))
+        picked = new_mask.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(batch, t, cols.numel()))
         mask = (rel < 0)[:, None, :] | (picked & explicit[:, None, :])
         if self.sliding_window is not None:
-            # committed column s holds position s; a new column holds its token's position (without
-            # new_positions the new tokens are consecutive after the committed ones, as in prefill)
-            if new_positions is None:
-                new_positions = write_pos
+            # committed column s holds position s; a new column holds its token's position
             new_positions = new_positions.to(self.device)
             j = (rel - recent).clamp(0, t - 1)
             col_pos = torch.where(rel >= recent, new_positions.gather(1, j), cols[None, :])
             too_far = (new_positions[:, :, None] - col_pos[:, None, :]) >= self.sliding_window
             mask &= ~too_far
-        return StepMeta(rows, write_pos, mask[:, None], span, write_start)
+        return StepMeta(rows, write_pos, mask[:, None], span, write_start, start)
 
     def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store this step's K/V ([B, kv_heads, T, hd]) and return the K/V to attend over ([B, kv, S, hd])."""
@@ -174,13 +178,13 @@ class KVCache:
             s0, t = meta.write_start, k_new.shape[2]
             k[:batch, :, s0 : s0 + t].copy_(k_new)
             v[:batch, :, s0 : s0 + t].copy_(v_new)
-            return k[:batch, :, : meta.span], v[:batch, :, : meta.span]
+            return k[:batch, :, meta.start : meta.span], v[:batch, :, meta.start : meta.span]
         rows = torch.arange(batch, device=self.device) if meta.rows is None else meta.rows
         k[rows[:, None], :, meta.write_pos] = k_new.transpose(1, 2)
         v[rows[:, None], :, meta.write_pos] = v_new.transpose(1, 2)
         if meta.rows is None:
-            return k[:batch, :, : meta.span], v[:batch, :, : meta.span]
-        return k[meta.rows, :, : meta.span], v[meta.rows, :, : meta.span]
+            return k[:batch, :, meta.start : meta.span], v[:batch, :, meta.start : meta.span]
+        return k[meta.rows, :, meta.start : meta.span], v[meta.rows, :, meta.start : meta.span]
 
     def commit(self, rows: torch.Tensor | None, counts: torch.Tensor) -> None:
         """Keep the first counts[b] tokens written in the last step of row b (negative: forget)."""

@@ -37,6 +37,9 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048  # informational: RoPE works at every position
+    # sliding window of the drafter's own attention (None: none): a query at position p sees keys at
+    # positions > p - window, in training and at inference, so its cost stays flat as the context grows
+    draft_attention_window: int | None = None
     hidden_act: str = "silu"
     fc_norm: bool = False
     norm_output: bool = False
@@ -94,6 +97,7 @@ class DrafterConfig:
             rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=raw.get("rope_scaling"),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            draft_attention_window=_window(raw.get("draft_attention_window")),
             hidden_act=raw.get("hidden_act", "silu"),
             fc_norm=bool(raw.get("fc_norm", raw.get("use_aux_norm", False))),
             norm_output=bool(raw.get("norm_output", False)),
@@ -141,6 +145,8 @@ class DrafterConfig:
                 d[flag] = True
         if self.fc_bias:
             d["bias"] = True
+        if self.draft_attention_window:
+            d["draft_attention_window"] = self.draft_attention_window
         return {**self.extra, **d}
 
     def hf_rope_config(self):
@@ -154,6 +160,15 @@ class DrafterConfig:
             rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
         )
+
+
+def _window(value) -> int | None:
+    """draft_attention_window from a config: a positive integer, or null/0 for none."""
+    if value in (None, 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"draft_attention_window must be a positive integer or null, got {value!r}")
+    return value
 
 
 _WRITTEN_KEYS = {
@@ -235,7 +250,8 @@ class Eagle3Drafter(nn.Module):
     def new_cache(self, num_slots: int, max_length: int, initial_capacity: int = 256) -> KVCache:
         p = self.fc.weight
         return KVCache(1, num_slots, self.cfg.num_key_value_heads, self.cfg.head_size, max_length=max_length,
-                       dtype=p.dtype, device=p.device, initial_capacity=initial_capacity)  # fmt: skip
+                       dtype=p.dtype, device=p.device, initial_capacity=initial_capacity,
+                       sliding_window=self.cfg.draft_attention_window)  # fmt: skip
 
     # -- math ------------------------------------------------------------------------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
@@ -356,9 +372,30 @@ def check_pair(drafter: Eagle3Drafter, target, where: str = "drafter") -> None:
         raise CheckpointError(f"{where} does not fit the target: " + "; ".join(problems))
 
 
+def set_attention_window(drafter: Eagle3Drafter, window: int | None, target_context: int) -> None:
+    """Override the drafter's attention window for inference: None keeps its config's, 0 removes it.
+    Raises ValueError for a window that cannot apply; warns when the drafter runs outside what it was
+    trained with (it would attend over distances it never saw)."""
+    import warnings
+
+    trained = drafter.cfg.draft_attention_window
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"the drafter's attention window must be an integer >= 0 (0: none), got {window!r}")
+    if window > target_context:
+        raise ValueError(f"drafter attention window {window} is larger than the target's context of {target_context} "
+                         "tokens, so it would never apply; use a smaller window, or 0 for none")  # fmt: skip
+    if trained and (window == 0 or window > trained):
+        warnings.warn(f"the drafter was trained with draft_attention_window={trained} but runs with "
+                      f"{'no window' if window == 0 else f'a window of {window}'}: it will attend over distances "
+                      "it never saw in training, and acceptance may fall on long contexts", stacklevel=2)  # fmt: skip
+    drafter.cfg.draft_attention_window = window or None
+
+
 def new_drafter_config(target_cfg, *, draft_vocab_size: int | None = None, fc_norm=True, norm_output=True,
                        intermediate_size=None, num_heads=None, num_kv_heads=None, aux_layer_ids=None,
-                       max_position_embeddings=None) -> DrafterConfig:  # fmt: skip
+                       max_position_embeddings=None, draft_attention_window=None) -> DrafterConfig:  # fmt: skip
     """A drafter config sized for `target_cfg` (a TargetConfig); EAGLE-3.1 by default."""
     return DrafterConfig(
         hidden_size=target_cfg.hidden_size,
@@ -371,6 +408,7 @@ def new_drafter_config(target_cfg, *, draft_vocab_size: int | None = None, fc_no
         rms_norm_eps=target_cfg.rms_norm_eps,
         aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else None,
         max_position_embeddings=max_position_embeddings or target_cfg.max_position_embeddings,
+        draft_attention_window=_window(draft_attention_window),
         fc_norm=fc_norm,
         norm_output=norm_output,
         torch_dtype="bfloat16",

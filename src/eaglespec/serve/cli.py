@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
                    help=COMPILE_HELP)
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
                    help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="sliding window of the drafter's own attention (default: the drafter's "
+                        "draft_attention_window, if it was trained with one; 0: none)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoding at once (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens prefilled per step, shared by the prefilling requests (default 512)")
@@ -56,7 +59,7 @@ def build_server(args):
     target, draft = _resolve_models(args)
     engine = load_engine(target, draft if args.mode != "off" else None, mode=args.mode, device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive,
-                         draft_prefill_window=args.draft_prefill_window, compile=args.compile)  # fmt: skip
+                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window, compile=args.compile)  # fmt: skip
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")

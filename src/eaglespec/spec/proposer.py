@@ -123,8 +123,9 @@ class EagleProposer:
             elif log_conf is not None and bool((f_score < log_conf).all()):
                 break
             seen = torch.cat([anc, eye], dim=-1)  # ancestors (earlier levels) + self
-            meta = cache.prepare(rows, seen)
-            out_logits, out_state = self.drafter(f_tok, f_state, (last_pos + level).expand(b, k), cache, meta)
+            positions = (last_pos + level).expand(b, k)
+            meta = cache.prepare(rows, seen, positions)  # positions: for the drafter's attention window
+            out_logits, out_state = self.drafter(f_tok, f_state, positions, cache, meta)
             cache.commit(rows, torch.full((b,), k))
             levels += 1
             child = out_logits.float().log_softmax(-1).topk(k, dim=-1)

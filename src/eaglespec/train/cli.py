@@ -57,8 +57,9 @@ def add_parsers(sub) -> None:
                       ("seed", int), ("save-every", int), ("keep-checkpoints", int), ("eval-every", int),
                       ("val-fraction", float), ("eval-samples", int), ("eval-prompts", int),
                       ("eval-max-new-tokens", int), ("eval-chain-k", int), ("log-every", int), ("threads", int),
-                      ("intermediate-size", int)):  # fmt: skip
+                      ("intermediate-size", int), ("draft-window", int), ("draft-context", int)):  # fmt: skip
         p.add_argument(f"--{name}", type=typ, default=None)
+    p.add_argument("--init-from", help="warm start from this drafter directory (keeps its draft vocabulary)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--save-dtype", choices=["fp32", "bf16", "fp16"], default=None)
     p.add_argument("--eval-mode", choices=["chain", "tree"], default=None)

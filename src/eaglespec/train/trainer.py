@@ -29,11 +29,12 @@ import torch
 
 from ..models.drafter import Eagle3Drafter, drafter_state_dict, load_drafter, new_drafter_config, save_drafter
 from .shards import DataError
-from .ttt import Batch, collate, target_features, targets_from_logits, targets_from_topk, ttt_forward, ttt_loss
+from .ttt import Batch, collate, cropped_features, target_features, targets_from_logits, targets_from_topk, ttt_forward, ttt_loss
 
 # settings that must not change when a run is resumed
 _FIXED_ON_RESUME = ("data", "states", "depth", "decay", "fc_norm", "norm_output", "draft_vocab_size", "batch_size",
-                    "steps", "epochs", "lr", "min_lr_frac", "warmup_steps", "seed", "max_len", "val_fraction")
+                    "steps", "epochs", "lr", "min_lr_frac", "warmup_steps", "seed", "max_len", "val_fraction",
+                    "draft_window", "draft_context", "init_from")
 
 
 @dataclass
@@ -76,6 +77,9 @@ class TrainConfig:
     resume: bool = False
     threads: int | None = None
     intermediate_size: int | None = None
+    draft_window: int | None = None  # the drafter's own attention window (draft_attention_window)
+    draft_context: int | None = None  # the drafter trains on each sample's last N tokens (features: whole sample)
+    init_from: str | None = None  # warm start from this drafter directory (its switches and vocabulary)
     extra: dict = field(default_factory=dict)
 
 
@@ -129,15 +133,24 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
 
 def init_drafter(target, cfg: TrainConfig, used: torch.Tensor) -> Eagle3Drafter:
     """A new drafter: frozen copy of the target embedding, lm_head rows copied from the target's lm_head for
-    the draft vocabulary (as speculators does; trainable), everything else random (seeded)."""
-    dcfg = new_drafter_config(target.cfg, draft_vocab_size=used.numel(), fc_norm=cfg.fc_norm,
-                              norm_output=cfg.norm_output, intermediate_size=cfg.intermediate_size,
-                              aux_layer_ids=None)  # fmt: skip
-    torch.manual_seed(cfg.seed)
-    drafter = Eagle3Drafter(dcfg)
-    drafter.set_draft_vocab(used)
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(target.lm_head.weight[used].float())
+    the draft vocabulary (as speculators does; trainable), everything else random (seeded). With
+    cfg.init_from: that drafter's weights and vocabulary instead (a warm start)."""
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from, target=target, dtype="fp32").requires_grad_(True).train()
+        c = drafter.cfg
+        if (c.fc_norm, c.norm_output) != (cfg.fc_norm, cfg.norm_output):
+            raise ValueError(f"--init-from {cfg.init_from} has fc_norm={c.fc_norm}, norm_output={c.norm_output}; "
+                             "pass the same --fc-norm/--norm-output switches")  # fmt: skip
+        c.draft_attention_window = cfg.draft_window or None
+    else:
+        dcfg = new_drafter_config(target.cfg, draft_vocab_size=used.numel(), fc_norm=cfg.fc_norm,
+                                  norm_output=cfg.norm_output, intermediate_size=cfg.intermediate_size,
+                                  aux_layer_ids=None, draft_attention_window=cfg.draft_window)  # fmt: skip
+        torch.manual_seed(cfg.seed)
+        drafter = Eagle3Drafter(dcfg)
+        drafter.set_draft_vocab(used)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(target.lm_head.weight[used].float())
     attach_frozen_embedding(drafter, target)
     return drafter
 
@@ -171,6 +184,14 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if cfg.depth < 1:
             raise ValueError(f"depth must be >= 1, got {cfg.depth}")
+        for name in ("draft_window", "draft_context"):
+            value = getattr(cfg, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive number of tokens, got {value}")
+        if cfg.draft_window is not None and cfg.draft_window <= cfg.depth:
+            raise ValueError(f"draft-window {cfg.draft_window} must exceed the TTT depth {cfg.depth}")
+        if cfg.draft_context and cfg.states:
+            raise ValueError("--draft-context needs the target in the loop (online training), not --states")
         if cfg.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {cfg.dtype!r}")
         self.rank, self.world = _dist(cfg.device)
@@ -185,7 +206,9 @@ class Trainer:
             raise DataError(f"{cfg.data} holds no samples")
         vocab_size = self.target.cfg.vocab_size
         counts = token_counts(samples, vocab_size)
-        if cfg.vocab:
+        if cfg.init_from:  # a warm start keeps the drafter's own draft vocabulary
+            used = load_drafter(cfg.init_from, target=self.target).draft_to_target.cpu()
+        elif cfg.vocab:
             used = load_vocab(cfg.vocab, vocab_size)
         else:
             used = choose_draft_vocab(counts, cfg.draft_vocab_size or min(vocab_size, 32000))
@@ -275,7 +298,10 @@ class Trainer:
     def _features(self, idx: list[int]) -> tuple[Batch, torch.Tensor, object]:
         batch = collate([self.samples[i] for i in idx], self.cfg.max_len)
         dev = self.device
-        if self.states is None:
+        if self.states is None and self.cfg.draft_context:
+            batch, aux, logits = cropped_features(self.target, batch, self.cfg.draft_context)
+            targets = targets_from_logits(logits, self.drafter.draft_to_target, self.drafter.t2d)
+        elif self.states is None:
             aux, logits = target_features(self.target, batch)
             targets = targets_from_logits(logits, self.drafter.draft_to_target, self.drafter.t2d)
         else:

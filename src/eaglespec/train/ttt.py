@@ -55,15 +55,49 @@ def collate(samples, max_len: int | None = None) -> Batch:
     return Batch(ids, mask, lengths)
 
 
+TARGET_CHUNK = 2048  # positions per target forward: the mask and scores of one chunk bound peak memory
+
+
 @torch.no_grad()
 def target_features(target: LlamaTarget, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One causal forward of the target over the batch: (aux [B, T, A*H], logits [B, T, V])."""
+    """A causal pass of the target over the batch, in chunks: (aux [B, T, A*H], logits [B, T, V])."""
+    aux, h = _target_pass(target, batch)
+    return aux, target.logits(h)
+
+
+def _target_pass(target: LlamaTarget, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     b, t = batch.input_ids.shape
     device = next(target.parameters()).device
     cache: KVCache = target.new_cache(b, max_length=t, initial_capacity=t)  # a fresh cache: slots 0..B-1
-    meta = cache.prepare(None, causal_mask(batch.lengths.to(device), t))
-    h, aux = target(batch.input_ids.to(device), meta.write_pos, cache, meta)
-    return aux, target.logits(h)
+    ids, lengths = batch.input_ids.to(device), batch.lengths.to(device)
+    aux, hidden = [], []
+    for c0 in range(0, t, TARGET_CHUNK):
+        n = min(TARGET_CHUNK, t - c0)
+        meta = cache.prepare(None, causal_mask((lengths - c0).clamp(0, n), n))
+        h, a = target(ids[:, c0 : c0 + n], meta.write_pos, cache, meta)
+        cache.commit(None, torch.full((b,), n))  # padding columns are never visible to real tokens
+        aux.append(a)
+        hidden.append(h)
+    return torch.cat(aux, 1), torch.cat(hidden, 1)
+
+
+@torch.no_grad()
+def cropped_features(target: LlamaTarget, batch: Batch, last: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """Target features over each whole sample, and the drafter's view of it: its last `last` tokens.
+
+    The drafter then trains on what it sees at inference after a long prompt (the last prompt pairs and
+    the reply, at its own positions from 0) while the captured states carry the whole context. Returns
+    (the cropped batch, aux [B, last, A*H], logits [B, last, V]); logits are computed on the crop only."""
+    aux, h = _target_pass(target, batch)
+    width = min(last, batch.input_ids.shape[1])
+    start = (batch.lengths - width).clamp(min=0)
+    idx = start[:, None] + torch.arange(width)
+    lengths = batch.lengths.clamp(max=width)
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    idx = torch.where(valid, idx, 0)
+    pick = lambda x: x.gather(1, idx.to(x.device)[:, :, None].expand(-1, -1, x.shape[-1]))
+    cropped = Batch(batch.input_ids.gather(1, idx) * valid, batch.loss_mask.gather(1, idx) & valid, lengths)
+    return cropped, pick(aux), target.logits(pick(h))
 
 
 def targets_from_logits(logits: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor) -> Targets:
@@ -118,7 +152,11 @@ def ttt_forward(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tens
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
     keys, values = [], []
-    attend = lambda u, cos, sin: ttt_attention(drafter.midlayer.self_attn, u, cos, sin, keys, values, causal)
+    window = drafter.cfg.draft_attention_window
+    # step k queries sit at position t + k: with a window they see step-0 keys at positions > t + k - window
+    visible = lambda k: causal if window is None else causal & ~causal.tril(-(window - k))
+    attend = lambda u, cos, sin: ttt_attention(drafter.midlayer.self_attn, u, cos, sin, keys, values,
+                                               visible(len(keys)))
     logits = []
     for k in range(depth):
         step_logits, hidden = drafter.step(shift(input_ids, 1 + k), hidden, positions + k, attend)
