@@ -96,7 +96,8 @@ def cmd_generate(args) -> int:
         items = read_jsonl(args.input)
     engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
-                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window, compile=args.compile,
+                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window,
+                         compile=args.compile,
                          expected_tokens=len(items) * args.max_new_tokens, quantize=args.quantize,
                          quantize_group=args.quantize_group)  # fmt: skip
     dtype, why = engine.precision

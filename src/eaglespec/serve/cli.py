@@ -59,7 +59,8 @@ def build_server(args):
     target, draft = _resolve_models(args)
     engine = load_engine(target, draft if args.mode != "off" else None, mode=args.mode, device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive,
-                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window, compile=args.compile)  # fmt: skip
+                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window,
+                         compile=args.compile)  # fmt: skip
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")

@@ -29,7 +29,16 @@ import torch
 
 from ..models.drafter import Eagle3Drafter, drafter_state_dict, load_drafter, new_drafter_config, save_drafter
 from .shards import DataError
-from .ttt import Batch, collate, cropped_features, target_features, targets_from_logits, targets_from_topk, ttt_forward, ttt_loss
+from .ttt import (
+    Batch,
+    collate,
+    cropped_features,
+    target_features,
+    targets_from_logits,
+    targets_from_topk,
+    ttt_forward,
+    ttt_loss,
+)
 
 # settings that must not change when a run is resumed
 _FIXED_ON_RESUME = ("data", "states", "depth", "decay", "fc_norm", "norm_output", "draft_vocab_size", "batch_size",
