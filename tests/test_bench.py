@@ -211,8 +211,15 @@ def test_sweeps_batch_and_context(toy, tmp_path, capsys):
                  "--sweep", "context", "--sweep-values", "64,300", "--max-new-tokens", "4",
                  "--out", str(out)]) == 0  # fmt: skip
     sweep = json.loads((out / "sweep_context.json").read_text())
-    assert sorted({p["context"] for p in sweep["points"]}) == [64, 300]
+    points = {(p["context"], p["prompt"], p["method"]): p for p in sweep["points"]}
+    assert sorted(points) == [(n, kind, m) for n in (64, 300) for kind in ("needle", "text")
+                              for m in ("plain", "tree[EAGLE-3.1]")]  # fmt: skip
+    for (_n, kind, method), p in points.items():
+        assert p["prefill_s"] > 0 and p["peak_rss_mb"] > 0 and p["prompts"] == 1  # --limit default: one text
+        assert (p["decode_speedup"] == 1.0) == (method == "plain")
+        assert (kind == "needle") == ("needle_found" in p) and 0 <= p.get("needle_found", 0) <= 1
     assert (out / "sweep_context.png").stat().st_size > 0
+    assert "needle found" in (out / "sweep_context.md").read_text()
 
 
 def test_auto_saves_settings_that_generate_uses(toy, tmp_path, monkeypatch, capsys):

