@@ -300,3 +300,30 @@ def test_drafter_fine_tunes_against_a_saved_quantized_target(learn, tmp_path):
     assert isinstance(trainer.target.model.layers[0].mlp.up_proj, QuantizedLinear)
     trainer.train()
     assert trainer.evaluate()["tau"] >= 1.5
+
+
+def test_long_context_options_window_crop_and_warm_start(learn, tmp_path):
+    """--draft-window is saved and honoured, --draft-context trains on each sample's tail with the whole
+    sample's features, and --init-from continues from a trained drafter (its loss, not a fresh one's)."""
+    first = Trainer(_cfg(learn, tmp_path / "a", steps=40, draft_window=8, draft_context=16), progress=False)
+    assert first.drafter.cfg.draft_attention_window == 8
+    res = first.train()
+    d = load_drafter(res["drafter"], target=learn[0])
+    assert d.cfg.draft_attention_window == 8
+    losses = [r["loss"] for r in read_metrics(tmp_path / "a") if r["kind"] == "train"]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    batch, aux, _ = first._features(first.train_idx[:4])
+    assert batch.input_ids.shape[1] == 16 and int(batch.lengths.max()) == 16 and aux.shape[1] == 16
+    warm = Trainer(_cfg(learn, tmp_path / "b", steps=2, init_from=res["drafter"], draft_window=8,
+                        draft_context=16), progress=False)  # fmt: skip
+    fresh = Trainer(_cfg(learn, tmp_path / "c", steps=2, draft_window=8, draft_context=16), progress=False)
+    assert torch.equal(warm.drafter.draft_to_target, d.draft_to_target)
+    warm.train(), fresh.train()
+    warm_loss = [r["loss"] for r in read_metrics(tmp_path / "b") if r["kind"] == "train"][0]
+    fresh_loss = [r["loss"] for r in read_metrics(tmp_path / "c") if r["kind"] == "train"][0]
+    assert warm_loss < 0.8 * fresh_loss
+    with pytest.raises(ValueError, match="must exceed the TTT depth"):
+        Trainer(_cfg(learn, tmp_path / "d", steps=2, draft_window=3), progress=False)
+    with pytest.raises(ValueError, match="fc_norm=True"):
+        Trainer(_cfg(learn, tmp_path / "e", steps=2, init_from=res["drafter"], fc_norm=False, norm_output=False),
+                progress=False)  # fmt: skip
