@@ -80,8 +80,17 @@ def long_pair(tmp_path_factory):
     return hf, load_target(d), d
 
 
-def test_greedy_lossless_with_a_16k_prompt(long_pair):
+def test_greedy_lossless_with_a_16k_prompt(long_pair, monkeypatch):
     hf, target, _ = long_pair
+    largest = []  # chunked prefill: no step builds a mask wider than one chunk by the context
+    prepare = KVCache.prepare
+
+    def spy(self, *args, **kwargs):
+        meta = prepare(self, *args, **kwargs)
+        largest.append(0 if meta.mask is None else meta.mask[0, 0].numel())
+        return meta
+
+    monkeypatch.setattr(KVCache, "prepare", spy)
     prompt = torch.randint(0, 96, (16_000,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
@@ -94,6 +103,7 @@ def test_greedy_lossless_with_a_16k_prompt(long_pair):
         out = engine.generate([Request(prompt, 12)], SamplingParams()).results[0]
         outs[(mode, window)] = out.output_ids
     assert all(v == ref for v in outs.values()), outs
+    assert 512 * 16_000 <= max(largest) <= 512 * (16_000 + 12 + 64)
 
 
 def _naive_window_mask(base, recent, new_mask, new_positions, window):

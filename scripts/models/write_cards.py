@@ -124,6 +124,8 @@ def main():
     ap.add_argument("--per-category", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out-json", default=str(ROOT / "models/cards.json"))
+    ap.add_argument("--position-loss", help="JSON from scripts/target/position_loss.py to include (held-out loss "
+                                            "per position bucket, up to 32K)")  # fmt: skip
     a = ap.parse_args()
     torch.manual_seed(0)
     target = Path(a.target)
@@ -147,6 +149,7 @@ def main():
     hw = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     state = json.loads((target / "training_state.json").read_text())
     card = {"target": {"params": params(target), "training_state": state, "heldout_loss": loss, "samples": smp},
+            "position_loss": json.loads(Path(a.position_loss).read_text()) if a.position_loss else None,
             "taus": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in taus.items()},
             "prompts_per_category": a.per_category, "max_new_tokens": a.max_new_tokens, "hardware": hw,
             "seconds": round(time.time() - t0, 1)}  # fmt: skip
