@@ -185,14 +185,15 @@ def test_suite_builder_reads_only_the_test_split(tmp_path):
     spec.loader.exec_module(builder)
     _fake_corpus(tmp_path / "corpus")
     suites = builder.build(tmp_path / "corpus", tmp_path / "suites", tokenizer_file=None)
-    assert set(suites) == set(CATEGORIES)
-    for cat in CATEGORIES:
-        items = load_suite(cat, suites_dir=tmp_path / "suites")
+    assert set(suites) == {*CATEGORIES, "context"}  # context: the long texts of `bench --sweep context`
+    for cat in suites:
+        path = tmp_path / "suites" / f"{cat}.jsonl"
+        items = [json.loads(line) for line in path.read_text().splitlines()]
         assert items, cat
         for it in items:
             assert it["split"] == "test"
             assert all("/test" in sid and "TRAIN" not in sid for sid in it["source_ids"]), (cat, it["source_ids"])
-            text = json.dumps(it.get("messages") or it.get("prompt"))
+            text = json.dumps(it.get("messages") or it.get("prompt") or it.get("text"))
             assert "TRAIN" not in text
 
 

@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
                         "llama.cpp on q8_0 for int8")
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="the drafters' attention window (default: each drafter's draft_attention_window; 0: none)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 512..32K)")
     p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
@@ -162,7 +164,7 @@ def cmd_bench(args) -> int:
         print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
     tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
-    models = load_models(target, drafts, args.dtype, args.quantize, args.quantize_group)
+    models = load_models(target, drafts, args.dtype, args.quantize, args.quantize_group, args.draft_window)
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
     _, why = compile_models(models, args.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
     log(f"[bench] forwards: {why}")

@@ -169,13 +169,16 @@ class Models:
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
-                quantize_group: int | None = None) -> Models:  # fmt: skip
+                quantize_group: int | None = None, draft_window: int | None = None) -> Models:  # fmt: skip
     from ..api import load_target_for_speculation
+    from ..models.drafter import set_attention_window
 
     target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
                                                       quantize_group=quantize_group)  # fmt: skip
     drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
+    for _, _, drafter in drafters:
+        set_attention_window(drafter, draft_window, target.cfg.max_position_embeddings)
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,
                   quantize=quantize if quantize != "none" else None)  # fmt: skip
 
@@ -205,7 +208,7 @@ def spec_method(models: Models, label: str, path, drafter, kind: str, *, tree: T
     engine = Engine(models.target, drafter, mode=kind, tree=tree, chain_k=chain_k, tokenizer=models.tokenizer,
                     adaptive=adaptive)  # fmt: skip
     settings = {"drafter": str(path), "eagle_version": drafter.cfg.eagle_version, "adaptive": adaptive,
-                **shape_settings(kind, engine.shape)}  # fmt: skip
+                "draft_attention_window": drafter.cfg.draft_attention_window, **shape_settings(kind, engine.shape)}
     return EngineMethod(name or f"{kind}[{label}]", kind, engine, settings)
 
 
