@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
                         "llama.cpp on q8_0 for int8")
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
+    p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
+                   help="prompt tokens the drafters read at prefill, the last N (default 128; 0: the whole prompt)")
     p.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="the drafters' attention window (default: each drafter's draft_attention_window; 0: none)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
@@ -165,6 +167,7 @@ def cmd_bench(args) -> int:
     tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
     models = load_models(target, drafts, args.dtype, args.quantize, args.quantize_group, args.draft_window)
+    models.draft_prefill_window = args.draft_prefill_window
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
     _, why = compile_models(models, args.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
     log(f"[bench] forwards: {why}")
@@ -222,7 +225,9 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
     max_len = models.target.cfg.max_position_embeddings
     if sweep == "context":
         lengths = sweeps.parse_values(args.sweep_values, sweeps.CONTEXTS, "context")
-        fits = [n for n in lengths if n + args.max_new_tokens <= max_len]
+        # a length at the context's end leaves room for the reply: 32K on a 32,768-token target is 32,704 + 64
+        room = max_len - args.max_new_tokens
+        fits = sorted({min(n, room) for n in lengths if n > 0 and room > 0})
         by_length = context_prompts(models.tokenizer, fits, parse_limit(args.limit, 1) or 2)  # all: both texts
         methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
                                  chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip

@@ -166,6 +166,7 @@ class Models:
     dtype: str = "fp32"
     compiled: str = "eager"
     quantize: str | None = None  # our target's --quantize (the llama.cpp peer picks its nearest GGUF type)
+    draft_prefill_window: int | None = None  # prompt tokens the drafters read at prefill (None: the default)
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
@@ -205,10 +206,12 @@ def plain_method(models: Models) -> EngineMethod:
 
 def spec_method(models: Models, label: str, path, drafter, kind: str, *, tree: TreeShape | None = None,
                 chain_k: int = 4, adaptive: bool = True, name: str | None = None) -> EngineMethod:  # fmt: skip
+    window = {} if models.draft_prefill_window is None else {"draft_prefill_window": models.draft_prefill_window}
     engine = Engine(models.target, drafter, mode=kind, tree=tree, chain_k=chain_k, tokenizer=models.tokenizer,
-                    adaptive=adaptive)  # fmt: skip
+                    adaptive=adaptive, **window)  # fmt: skip
     settings = {"drafter": str(path), "eagle_version": drafter.cfg.eagle_version, "adaptive": adaptive,
-                "draft_attention_window": drafter.cfg.draft_attention_window, **shape_settings(kind, engine.shape)}
+                "draft_attention_window": drafter.cfg.draft_attention_window,
+                "draft_prefill_window": engine.draft_prefill_window, **shape_settings(kind, engine.shape)}
     return EngineMethod(name or f"{kind}[{label}]", kind, engine, settings)
 
 

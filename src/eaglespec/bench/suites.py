@@ -86,7 +86,7 @@ def context_prompts(tokenizer, lengths, per_length: int = 1, suites_dir: Path = 
     if not path.is_file():
         raise ValueError(f"suite file {path} is missing; rebuild with scripts/bench/build_suites.py")
     items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:per_length]
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False, verbose=False)  # longer than the context
     out: dict[int, list[Prompt]] = {}
     for item in items:
         ids, needle, question = encode(item["text"]), encode(" " + item["needle"] + " "), encode(item["question"])
