@@ -103,7 +103,7 @@ def test_greedy_lossless_with_a_16k_prompt(long_pair, monkeypatch):
         out = engine.generate([Request(prompt, 12)], SamplingParams()).results[0]
         outs[(mode, window)] = out.output_ids
     assert all(v == ref for v in outs.values()), outs
-    assert 512 * 16_000 <= max(largest) <= 512 * (16_000 + 12 + 64)
+    assert 512 * 15_000 <= max(largest) <= 512 * (16_000 + 12 + 64)
 
 
 def _naive_window_mask(base, recent, new_mask, new_positions, window):

@@ -240,7 +240,7 @@ def _wait_idle(server, timeout=10.0) -> float:
 
 def test_client_disconnect_aborts_streaming_and_plain_requests(server):
     core = server.app.state.engine.core
-    body = {"prompt": PROMPTS[2], "max_tokens": 3000, "temperature": 0.0}  # stop tokens could end it early
+    body = {"prompt": PROMPTS[1], "max_tokens": 3000, "temperature": 0.0}  # greedy code runs on without EOS
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
@@ -263,7 +263,7 @@ def test_api_key_queue_limit_timeout_and_graceful_shutdown():
         assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2}, headers=auth).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # health and metrics need no key
         # one request runs (max_num_seqs 1), one waits (max_queue 1): the rest get 429
-        long = {"prompt": PROMPTS[2], "max_tokens": 3000, "temperature": 0}  # greedy: runs on, no EOS
+        long = {"prompt": PROMPTS[1], "max_tokens": 3000, "temperature": 0}  # greedy: runs on, no EOS
 
         async def burst():
             async with httpx.AsyncClient(timeout=30, headers=auth) as c:
@@ -278,7 +278,7 @@ def test_api_key_queue_limit_timeout_and_graceful_shutdown():
         result = {}
 
         def in_flight():
-            body = {"prompt": PROMPTS[2], "max_tokens": 150, "temperature": 0}
+            body = {"prompt": PROMPTS[1], "max_tokens": 150, "temperature": 0}
             result["r"] = s.post("/v1/completions", body, headers=auth)
             result["done"] = time.time()
 
