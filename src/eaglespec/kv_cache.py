@@ -153,9 +153,12 @@ class KVCache:
         if self.sliding_window is not None and new_positions is None:
             new_positions = write_pos  # new tokens consecutive after the committed ones, as in prefill
         start = 0
-        if self.sliding_window is not None:  # read only columns some query can see: cost flat in length
-            first_query = int(new_positions.min())
-            start = max(0, min(first_query - self.sliding_window + 1, lo - recent))
+        if self.sliding_window is not None:
+            # read only columns some query can see, so the cost stays flat in the length. New tokens sit at
+            # positions >= lo - recent - 1 (the target's after its committed tokens, the drafter's tree levels
+            # after its last extended pair), so no column before this start is visible: a host-side bound,
+            # no device sync
+            start = max(0, lo - recent - self.sliding_window)
         cols = torch.arange(start, span, device=self.device)
         rel = cols[None, :] - (base[:, None] - recent)  # [B, S] column index into new_mask
         explicit = (rel >= 0) & (rel < width)
