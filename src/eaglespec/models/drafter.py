@@ -378,9 +378,9 @@ def set_attention_window(drafter: Eagle3Drafter, window: int | None, target_cont
     trained with (it would attend over distances it never saw)."""
     import warnings
 
-    trained = drafter.cfg.draft_attention_window
     if window is None:
         return
+    trained = drafter.cfg.draft_attention_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"the drafter's attention window must be an integer >= 0 (0: none), got {window!r}")
     if window > target_context:

@@ -140,12 +140,12 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
     return [batches[o] for o in order]
 
 
-def init_drafter(target, cfg: TrainConfig, used: torch.Tensor) -> Eagle3Drafter:
+def init_drafter(target, cfg: TrainConfig, used: torch.Tensor, start: Eagle3Drafter | None = None) -> Eagle3Drafter:
     """A new drafter: frozen copy of the target embedding, lm_head rows copied from the target's lm_head for
-    the draft vocabulary (as speculators does; trainable), everything else random (seeded). With
-    cfg.init_from: that drafter's weights and vocabulary instead (a warm start)."""
-    if cfg.init_from:
-        drafter = load_drafter(cfg.init_from, target=target, dtype="fp32").requires_grad_(True).train()
+    the draft vocabulary (as speculators does; trainable), everything else random (seeded). With `start`
+    (the drafter of cfg.init_from): its weights and vocabulary instead (a warm start)."""
+    if start is not None:
+        drafter = start.requires_grad_(True).train()
         c = drafter.cfg
         if (c.fc_norm, c.norm_output) != (cfg.fc_norm, cfg.norm_output):
             raise ValueError(f"--init-from {cfg.init_from} has fc_norm={c.fc_norm}, norm_output={c.norm_output}; "
@@ -215,8 +215,9 @@ class Trainer:
             raise DataError(f"{cfg.data} holds no samples")
         vocab_size = self.target.cfg.vocab_size
         counts = token_counts(samples, vocab_size)
-        if cfg.init_from:  # a warm start keeps the drafter's own draft vocabulary
-            used = load_drafter(cfg.init_from, target=self.target).draft_to_target.cpu()
+        start = load_drafter(cfg.init_from, target=self.target, dtype="fp32") if cfg.init_from else None
+        if start is not None:  # a warm start keeps the drafter's own draft vocabulary
+            used = start.draft_to_target.cpu()
         elif cfg.vocab:
             used = load_vocab(cfg.vocab, vocab_size)
         else:
@@ -237,7 +238,7 @@ class Trainer:
         self.train_lengths = [min(len(samples[i].input_ids), cfg.max_len) for i in self.train_idx]
         self._epoch: tuple[int, list] = (-1, [])
         self.total_steps = cfg.steps or max(1, int(cfg.epochs * self.steps_per_epoch))
-        self.drafter = init_drafter(self.target, cfg, used).to(self.device)
+        self.drafter = init_drafter(self.target, cfg, used, start).to(self.device)
         self.target_to_draft = torch.full((vocab_size,), -1, dtype=torch.long, device=self.device)
         self.target_to_draft[used.to(self.device)] = torch.arange(used.numel(), device=self.device)
         self.model = _TTT(self.drafter, cfg.depth)
@@ -307,11 +308,11 @@ class Trainer:
     def _features(self, idx: list[int]) -> tuple[Batch, torch.Tensor, object]:
         batch = collate([self.samples[i] for i in idx], self.cfg.max_len)
         dev = self.device
-        if self.states is None and self.cfg.draft_context:
-            batch, aux, logits = cropped_features(self.target, batch, self.cfg.draft_context)
-            targets = targets_from_logits(logits, self.drafter.draft_to_target, self.drafter.t2d)
-        elif self.states is None:
-            aux, logits = target_features(self.target, batch)
+        if self.states is None:
+            if self.cfg.draft_context:
+                batch, aux, logits = cropped_features(self.target, batch, self.cfg.draft_context)
+            else:
+                aux, logits = target_features(self.target, batch)
             targets = targets_from_logits(logits, self.drafter.draft_to_target, self.drafter.t2d)
         else:
             t = batch.input_ids.shape[1]
