@@ -202,6 +202,69 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _add_export(sub):
+    from .export import FORMATS
+    from .export.gguf import OUTTYPES
+
+    p = sub.add_parser("export", help="write a drafter for vLLM / SGLang (eagle3), vLLM's speculators layout, or "
+                       "llama.cpp (gguf: target + EAGLE-3 drafter), and print the serving commands")  # fmt: skip
+    p.add_argument("drafter", help="drafter directory in any layout eaglespec reads (dialect A, speculators, "
+                   "EAGLE's pytorch_model.bin)")  # fmt: skip
+    p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--target", help="the drafter's target directory (default: the bundled target), checked "
+                   "against the drafter; gives the default aux layer ids, embedding, GGUF tokenizer")  # fmt: skip
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="eagle3/speculators: weight dtype (default: as stored)")
+    p.add_argument("--outtype", choices=OUTTYPES, default="f32", help="gguf: weight type (default f32)")
+    p.add_argument("--target-gguf", default=None,
+                   help="gguf: an existing GGUF of the target (e.g. from llama.cpp's converter): its tokenizer is "
+                   "copied into the drafter GGUF and no target GGUF is written")  # fmt: skip
+    p.add_argument("--verifier", default=None, help="speculators: the target's name as serving machines know it "
+                   "(a Hugging Face id); default: the absolute --target path")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per step for the printed commands and the speculators config (default: "
+                   "measured here, chain acceptance and this machine's step costs)")  # fmt: skip
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from .api import default_models_dir
+    from .export import check_format, engine_ignored_keys, export_drafter, open_source
+    from .export.commands import serving_commands
+
+    target = Path(args.target) if args.target else default_models_dir() / "target"
+    k = args.num_speculative_tokens
+    if k is not None and k < 1:
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {k}")
+    src = open_source(args.drafter, target)  # validates before anything is measured or written
+    check_format(src, args.fmt)
+    k_cpu = k_gpu = k
+    if k is None:
+        from .bench.spec_length import measure
+
+        print("[eaglespec] measuring chain acceptance to choose the speculation length ...", file=sys.stderr)
+        c = measure(target, args.drafter)
+        k_cpu, k_gpu = c.k_here, c.k_bandwidth
+        rounded = lambda xs: [round(x, 2) for x in xs]
+        print(f"[eaglespec] chain acceptance per position (depth 8, {c.prompts} prompts): {rounded(c.acceptance)}\n"
+              f"[eaglespec] speed vs plain for k = 1..8, this machine's measured costs: {rounded(c.speed_here)} "
+              f"-> k={k_cpu} (llama.cpp here)\n[eaglespec] the same when a forward costs its weight bytes "
+              f"(drafter/target = {c.drafter_to_target_bytes:.3f}): {rounded(c.speed_bandwidth)} -> k={k_gpu} "
+              "(vLLM / SGLang on GPUs)", file=sys.stderr)  # fmt: skip
+    files = export_drafter(args.drafter, args.fmt, args.out, target_dir=target, dtype=args.dtype,
+                           outtype=args.outtype, target_gguf=args.target_gguf, verifier=args.verifier,
+                           speculative_tokens=k_gpu)  # fmt: skip
+    print(f"[eaglespec] wrote {src.cfg.eagle_version} drafter ({args.fmt}): " + ", ".join(str(f) for f in files),
+          file=sys.stderr)  # fmt: skip
+    for note in engine_ignored_keys(src.cfg):
+        print(f"[eaglespec] note: {note}", file=sys.stderr)
+    k = k_cpu if args.fmt == "gguf" else k_gpu
+    for engine, command in serving_commands(args.fmt, files, str(target), k).items():
+        print(f"# {engine}\n{command}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglespec", description="EAGLE-3/3.1 speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_training(sub)
     _add_bench(sub)
+    _add_export(sub)
     _add_drift(sub)
     _add_serve(sub)
     return parser

@@ -54,15 +54,27 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} has no weights (model.safetensors, shards with an index, or pytorch_model.bin)")
 
 
-def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a model directory, keyed by their stored names."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_tensors(path: str | os.PathLike, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory (or only `names`), keyed by their stored names. Safetensors files
+    are read lazily, so asking for one tensor of a large sharded target reads only that tensor."""
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
     for f in _weight_files(Path(path)):
         try:
-            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, weights_only=True)
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), "pt") as handle:
+                    part = {k: handle.get_tensor(k) for k in handle.keys() if names is None or k in names}
+            else:  # legacy .bin: tensors only, never arbitrary pickled objects
+                part = torch.load(f, weights_only=True, map_location="cpu")
+                if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+                    raise CheckpointError(f"{f} is not a flat state dict of tensors")
+                part = {k: v for k, v in part.items() if names is None or k in names}
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"refusing to load {f}: it holds objects other than tensors ({e}); "
+                                  "convert it to safetensors with the tool that wrote it") from None
         except (SafetensorError, OSError, RuntimeError, EOFError) as e:
             raise CheckpointError(f"cannot read weights file {f}: {e} (truncated or corrupt?)") from None
         tensors.update(part)

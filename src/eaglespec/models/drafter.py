@@ -75,8 +75,14 @@ class DrafterConfig:
         layers = int(raw.get("num_hidden_layers", 1))
         if layers != 1:
             raise CheckpointError(f"drafter has num_hidden_layers={layers}; eaglespec supports 1-layer drafters")
-        ids = raw.get("eagle_aux_hidden_state_layer_ids", eagle_cfg.get("eagle_aux_hidden_state_layer_ids"))
+        if eagle_cfg.get("use_aux_hidden_state", True) is False:
+            raise CheckpointError("drafter config sets eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 style "
+                                  "drafter without fc); eaglespec runs EAGLE-3 drafters, which read target states")
+        ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
         rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":  # transformers 5 keeps it here
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
         missing = [k for k in need if k not in raw]
         if missing:
@@ -95,7 +101,7 @@ class DrafterConfig:
             aux_layer_ids=list(ids) if ids else None,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_scaling=raw.get("rope_scaling"),
+            rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             draft_attention_window=_window(raw.get("draft_attention_window")),
             hidden_act=raw.get("hidden_act", "silu"),

@@ -20,37 +20,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ...export.gguf import UnsupportedForGGUF, check_drafter, is_gpt2_byte_level
+
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")
-UNSUPPORTED_DRAFTER_FLAGS = ("fc_norm", "norm_output", "fc_bias")
-
-
-class UnsupportedDrafter(ValueError):
-    pass
+UnsupportedDrafter = UnsupportedForGGUF
 
 
 def check_drafter_supported(drafter_dir) -> None:
     """Raise UnsupportedDrafter for an EAGLE-3.1 drafter (or any config llama.cpp cannot represent)."""
-    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
-    flags = [f for f in UNSUPPORTED_DRAFTER_FLAGS if cfg.get(f)]
-    if cfg.get("use_aux_norm"):
-        flags.append("use_aux_norm")
-    if flags:
-        raise UnsupportedDrafter(
-            f"{drafter_dir}: EAGLE-3.1 drafter ({', '.join(f + '=true' for f in flags)}) cannot run in llama.cpp: "
-            "llama.cpp's EAGLE-3 has no fc_norm mapping (per-state RMSNorm before fc) and no norm_output; "
-            "use an EAGLE-3 drafter (e.g. models/drafter-eagle3)"
-        )
+    from ...models.drafter import DrafterConfig
 
-
-def is_gpt2_byte_level(model_dir) -> bool:
-    """tokenizer.json is a byte-level BPE with exactly GPT-2's pre-tokenization (what llama.cpp's 'gpt-2' does)."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return False
-    tok = json.loads(path.read_text())
-    pre, model = tok.get("pre_tokenizer") or {}, tok.get("model") or {}
-    bpe = model.get("type") == "BPE" and not model.get("byte_fallback") and tok.get("normalizer") is None
-    return bpe and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+    cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    try:
+        check_drafter(cfg)
+    except UnsupportedForGGUF as e:
+        raise UnsupportedDrafter(f"{drafter_dir}: {e}") from None
 
 
 def dir_signature(model_dir) -> list:
