@@ -253,38 +253,48 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
         raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 -> q8_0 only; "
                          "q4_0 needs llama-quantize)")  # fmt: skip
     target_gguf = convert_target(root, source_dir or target_dir, outtype)
-    binary, logs = root / "build" / "bin" / SERVER, root / "logs"
-    base = {"engine": "llama.cpp llama-server", "gguf": str(target_gguf), "outtype": outtype, "threads": threads,
-            "kv_cache": kv, "sampling": "greedy (top_k=1)", "time_source": "tokens_per_s: bench wall clock per "
-            "HTTP request (prefill + decode); llama.cpp's own clock (warm-up excluded) in llamacpp_clock",
-            "lossless_check": (f"no: {not_lossless}" if not_lossless else "yes" if dtype == "fp32"
-                               else f"no: {dtype} rounding differs from ours")}  # fmt: skip
-    size = target_gguf.stat().st_size
-    out: list[Method] = []
-    if "llamacpp_plain" in kinds:
-        server = Server(binary, server_args(target_gguf, threads, kv), logs / "llamacpp_plain.log")
-        out.append(LlamaCppMethod("llamacpp_plain", "llamacpp_plain", server, stop_ids, dict(base), size, size))
+    usable = []
     if "llamacpp_eagle3" in kinds:
-        usable = []
         for label, path in drafters:
             try:
                 check_drafter_supported(path)
-                usable.append((label, Path(path)))
+                usable.append((label, convert_drafter(root, path, target_dir, outtype), str(path)))
             except UnsupportedDrafter as e:
                 print(f"[bench] skipping llamacpp_eagle3 for {label}: {e}", file=sys.stderr)
         if not usable:
             print("[bench] skipping llamacpp_eagle3: no EAGLE-3 drafter (pass --draft models/drafter-eagle3)",
                   file=sys.stderr)  # fmt: skip
-        for label, path in usable:
-            name = "llamacpp_eagle3" if len(usable) == 1 else f"llamacpp_eagle3[{label}]"
-            draft_gguf = convert_drafter(root, path, target_dir, outtype)
-            args = server_args(target_gguf, threads, kv) + [
-                "-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain_k),
-                "--spec-draft-n-min", "0", "-td", str(threads), "-tbd", str(threads), "-ctkd", kv,
-                "-ctvd", kv]  # fmt: skip
-            settings = dict(base, drafter=str(path), drafter_gguf=str(draft_gguf), spec_type="draft-eagle3",
-                            draft_n_max=chain_k)  # fmt: skip
-            server = Server(binary, args, logs / f"{name}.log")
-            out.append(LlamaCppMethod(name, "llamacpp_eagle3", server, stop_ids, settings, size,
-                                      size + draft_gguf.stat().st_size))  # fmt: skip
+    lossless = ("yes" if dtype == "fp32" and not not_lossless else
+                f"no: {not_lossless}" if not_lossless else f"no: {dtype} rounding differs from ours")  # fmt: skip
+    return gguf_methods(target_gguf, usable, stop_ids, threads=threads, kv=kv, chain_k=chain_k,
+                        plain="llamacpp_plain" in kinds, settings={"outtype": outtype, "lossless_check": lossless})
+
+
+def eagle3_server_args(draft_gguf: Path, threads: int, kv: str, chain_k: int) -> list[str]:
+    return ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain_k),
+            "--spec-draft-n-min", "0", "-td", str(threads), "-tbd", str(threads), "-ctkd", kv, "-ctvd", kv]  # fmt: skip
+
+
+def gguf_methods(target_gguf: Path, drafters, stop_ids, *, threads: int, kv: str, chain_k: int, plain: bool,
+                 settings: dict) -> list[Method]:  # fmt: skip
+    """llama-server methods over ready GGUF files: plain (if `plain`) and one EAGLE-3 method per
+    (label, drafter GGUF, drafter source) in `drafters`. settings: outtype and lossless_check at least."""
+    binary, logs = llamacpp_root() / "build" / "bin" / SERVER, llamacpp_root() / "logs"
+    base = {"engine": "llama.cpp llama-server", "gguf": str(target_gguf), "threads": threads, "kv_cache": kv,
+            "sampling": "greedy (top_k=1)", "time_source": "tokens_per_s: bench wall clock per "
+            "HTTP request (prefill + decode); llama.cpp's own clock (warm-up excluded) in llamacpp_clock",
+            **settings}  # fmt: skip
+    size = Path(target_gguf).stat().st_size
+    out: list[Method] = []
+    if plain:
+        server = Server(binary, server_args(target_gguf, threads, kv), logs / "llamacpp_plain.log")
+        out.append(LlamaCppMethod("llamacpp_plain", "llamacpp_plain", server, stop_ids, dict(base), size, size))
+    for label, draft_gguf, source in drafters:
+        name = "llamacpp_eagle3" if len(drafters) == 1 else f"llamacpp_eagle3[{label}]"
+        args = server_args(target_gguf, threads, kv) + eagle3_server_args(draft_gguf, threads, kv, chain_k)
+        extra = {"drafter": source, "drafter_gguf": str(draft_gguf), "spec_type": "draft-eagle3",
+                 "draft_n_max": chain_k}  # fmt: skip
+        server = Server(binary, args, logs / f"{name}.log")
+        out.append(LlamaCppMethod(name, "llamacpp_eagle3", server, stop_ids, {**base, **extra}, size,
+                                  size + Path(draft_gguf).stat().st_size))  # fmt: skip
     return out

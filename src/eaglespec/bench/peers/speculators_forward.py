@@ -1,4 +1,4 @@
-"""Runs inside the speculators environment (scripts/interop/build_envs.sh), never imports eaglespec.
+"""Runs inside the speculators environment (scripts/interop/build_envs.sh) as a script; never imports eaglespec.
 
 Loads an exported drafter with speculators' own loader (`Eagle3DraftModel.from_pretrained`) and runs its
 own forward (training-time test, `ttt_steps` steps) on the inputs in INPUTS (safetensors: hidden_states
@@ -8,10 +8,10 @@ and the loaded tensors to OUT, plus versions to OUT.json.
 usage: python speculators_forward.py DRAFTER_DIR INPUTS OUT TTT_STEPS
 """
 
+import importlib.metadata
 import json
 import sys
 
-import speculators
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -35,7 +35,7 @@ def main(drafter_dir: str, inputs: str, out: str, steps: int) -> None:
     save_file(result, out)
     flags = {k: getattr(model.config, k) for k in ("fc_norm", "norm_output", "norm_before_residual",
                                                      "norm_before_fc", "eagle_aux_hidden_state_layer_ids")}
-    info = {"speculators": speculators.__version__ if hasattr(speculators, "__version__") else "unknown",
+    info = {"speculators": importlib.metadata.version("speculators"),
             "transformers": transformers.__version__, "torch": torch.__version__, "flags": flags,
             "class": type(model).__name__}
     with open(out + ".json", "w") as f:
