@@ -77,15 +77,16 @@ def open_source(drafter_dir, target_dir) -> Source:
     from ..models.checkpoint import load_tensors
 
     target = TargetInfo.read(target_dir)
-    stored = {v.dtype for v in load_tensors(drafter_dir).values() if v.is_floating_point()}
-    stored_dtype = stored.pop() if len(stored) == 1 else torch.float32
+    fc = [v for k, v in load_tensors(drafter_dir).items() if k.endswith("fc.weight")]
+    stored_dtype = fc[0].dtype if fc and fc[0].is_floating_point() else torch.float32
     drafter = load_drafter(drafter_dir, dtype=stored_dtype)  # no upcast: every copy is bit-exact
     check_pair(drafter, target, str(drafter_dir))
     own = drafter.embed_tokens is not None
     if own and drafter.cfg.hidden_size == target.cfg.hidden_size:  # speculators ships a copy of the target's
         from .speculators import target_embedding
 
-        own = not torch.equal(drafter.embed_tokens.weight, target_embedding(target.path).to(stored_dtype))
+        embed = target_embedding(target.path).to(stored_dtype)
+        own = embed.shape != drafter.embed_tokens.weight.shape or not torch.equal(drafter.embed_tokens.weight, embed)
     return Source(Path(drafter_dir), drafter, target, stored_dtype, own)
 
 

@@ -5,8 +5,9 @@
   (algorithm, a greedy proposal with `speculative_tokens`, the verifier's name and architectures), and
   every flag written explicitly: vLLM's `update_eagle3` sets `norm_before_residual` to true when the key
   is missing, which silently changes the model;
-- tensors: `layers.0.*` instead of `midlayer.*`, plus `embed_tokens.weight` copied from the target
-  (speculators' own checkpoints ship it and its loader leaves it unset otherwise).
+- tensors: `layers.0.*` instead of `midlayer.*`, plus `embed_tokens.weight` copied from the target in the
+  target's own dtype (speculators' own checkpoints ship it and its loader leaves it unset otherwise; an
+  exact copy keeps the drafter's inputs what they are with the target's embedding).
 Not representable, refused with the reason: a bias on fc (speculators' fc has none).
 """
 
@@ -92,7 +93,7 @@ def speculators_tensors(src, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if tuple(embed.shape) != (src.cfg.vocab_size, src.cfg.hidden_size):
             raise CheckpointError(f"{src.target.path}: embedding {tuple(embed.shape)} does not fit the drafter "
                                   f"({src.cfg.vocab_size}, {src.cfg.hidden_size})")  # fmt: skip
-        tensors["embed_tokens.weight"] = embed.to(dtype).contiguous()
+        tensors["embed_tokens.weight"] = embed.contiguous()  # the target's own values and dtype: an exact copy
     return tensors
 
 
