@@ -128,6 +128,23 @@ def test_speculators_without_norm_before_residual_reads_as_true(pair, tmp_path):
     assert load_drafter(tmp_path / "s").cfg.norm_before_residual is True
 
 
+def test_every_layout_generates_the_same_tokens(pair, tmp_path):
+    """generate/serve load any layout directly: the same greedy tokens and the same acceptance."""
+    from eaglespec.api import generate, load_engine
+
+    target_dir, drafter_dir, _ = pair
+    export_drafter(drafter_dir, "speculators", tmp_path / "s", target_dir=target_dir)
+    export_drafter(tmp_path / "s", "eagle3", tmp_path / "a", target_dir=target_dir)
+    prompt = [[5, 17, 42, 8, 77, 3, 19, 64, 11, 2]]
+    runs = []
+    for d in (drafter_dir, tmp_path / "s", tmp_path / "a"):
+        engine = load_engine(target_dir, d, mode="tree", adaptive=False, dtype="fp32")
+        out = generate(engine, prompt, max_new_tokens=24)
+        runs.append((out.results[0].output_ids, out.stats.accepted_per_pos))
+    plain = generate(load_engine(target_dir, None, mode="off", dtype="fp32"), prompt, max_new_tokens=24)
+    assert runs[0] == runs[1] == runs[2] and runs[0][0] == plain.results[0].output_ids
+
+
 # -- import layouts -------------------------------------------------------------------------------
 def test_eagle_config_nesting_and_reference_bin_load(pair, tmp_path):
     """EAGLE's own layout: pytorch_model.bin (read with weights_only=True), LlamaForCausalLM architecture,

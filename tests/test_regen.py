@@ -85,6 +85,34 @@ def test_regen_resumes_after_interruption(toy, tmp_path):
         regen(src, out, target=toy, max_new_tokens=7, shard_size=2, progress=False)
 
 
+def test_regen_and_states_split_across_machines(toy, tmp_path):
+    """--part I/N: N machines sharing one output directory write the same shards one machine would."""
+    import json
+
+    from eaglespec.train.shards import load_samples, parse_part
+    from eaglespec.train.states import build_states
+
+    items = [{"prompt": f"print({i})"} for i in range(5)]
+    src = _write(tmp_path / "in.jsonl", items)
+    regen(src, tmp_path / "one", target=toy, max_new_tokens=4, shard_size=2, progress=False)
+    shared = tmp_path / "shared"
+    first = regen(src, shared, target=toy, max_new_tokens=4, shard_size=2, progress=False, part=parse_part("0/2"))
+    assert first["samples"] == 3 and not json.loads((shared / "manifest.json").read_text())["complete"]
+    regen(src, shared, target=toy, max_new_tokens=4, shard_size=2, progress=False, part=parse_part("1/2"))
+    assert json.loads((shared / "manifest.json").read_text())["complete"]
+    one = [s.input_ids.tolist() for s in load_samples(tmp_path / "one")]
+    assert [s.input_ids.tolist() for s in load_samples(shared)] == one
+    for part in ("1/2", "0/2"):
+        build_states(shared, tmp_path / "states", target=toy, topk=4, progress=False, part=parse_part(part))
+    build_states(tmp_path / "one", tmp_path / "states-one", target=toy, topk=4, progress=False)
+    for i in range(3):
+        name = f"states-{i:05d}.safetensors"
+        assert (tmp_path / "states" / name).read_bytes() == (tmp_path / "states-one" / name).read_bytes()
+    for bad in ("2/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="part"):
+            parse_part(bad)
+
+
 def _shard_from(blob, tmp_path):
     p = tmp_path / "copy.safetensors"
     p.write_bytes(blob)

@@ -24,6 +24,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--shard-size", type=int, default=256, help="input lines per shard (unit of resume)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N input lines")
+    p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, "
+                   "I+N, ... (run every part, e.g. one per machine, on a shared filesystem)")  # fmt: skip
     p.set_defaults(func=cmd_regen)
 
     p = dsub.add_parser("vocab", help="choose the draft vocabulary (d2t/t2d) and report its coverage")
@@ -38,6 +40,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--target", help="target model directory (default: the bundled target)")
     p.add_argument("--out", required=True)
     p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, I+N, ...")
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=cmd_states)
 
@@ -78,12 +81,14 @@ def _default_target(args) -> None:
 
 def cmd_regen(args) -> int:
     from .regen import regen
+    from .shards import parse_part
 
     _default_target(args)
 
     stats = regen(args.input, args.out, target=args.target, draft=args.draft, temperature=args.temperature,
                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
-                  batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit)  # fmt: skip
+                  batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit,
+                  part=parse_part(args.part))  # fmt: skip
     print(f"[eaglespec data regen] {json.dumps(stats)} -> {args.out}")
     return 0
 
@@ -109,9 +114,11 @@ def cmd_vocab(args) -> int:
 
 def cmd_states(args) -> int:
     _default_target(args)
+    from .shards import parse_part
     from .states import build_states
 
-    res = build_states(args.data, args.out, target=args.target, topk=args.topk, batch_size=args.batch_size)
+    res = build_states(args.data, args.out, target=args.target, topk=args.topk, batch_size=args.batch_size,
+                       part=parse_part(args.part))
     mib = res["bytes"] / 2**20
     print(f"[eaglespec data states] {res['shards_written']} shard(s), about {mib:.1f} MiB -> {args.out}")
     return 0

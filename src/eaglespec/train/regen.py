@@ -157,8 +157,10 @@ def _regenerate_chunk(engine, items: list[dict], params, *, max_new_tokens: int,
 
 
 def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0, seed=0, max_new_tokens=256,
-          max_len=2048, batch_size=16, shard_size=256, limit=None, progress=True) -> dict:  # fmt: skip
-    """Write `out_dir` (manifest + shards). Resumes: shards already written are kept and skipped."""
+          max_len=2048, batch_size=16, shard_size=256, limit=None, progress=True, part=(0, 1)) -> dict:  # fmt: skip
+    """Write `out_dir` (manifest + shards). Resumes: shards already written are kept and skipped.
+    part (I, N): write only shards I, I + N, ... so N machines sharing `out_dir` split the work; the
+    manifest says complete once every shard exists (rerun any part to refresh it)."""
     from ..api import load_engine, read_jsonl
     from ..sampling import SamplingParams
 
@@ -184,11 +186,12 @@ def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0
     engine = load_engine(target, draft, mode="tree" if draft else "off")
     if engine.tokenizer is None:
         raise DataError(f"target {target} has no tokenizer; regen needs one to render and decode text")
-    todo = [i for i in range(num_shards) if not shard_path(out, i).is_file()]
+    todo = [i for i in range(num_shards) if i % part[1] == part[0] and not shard_path(out, i).is_file()]
     from tqdm import tqdm
 
-    already = len(items) - sum(len(items[i * shard_size : (i + 1) * shard_size]) for i in todo)
-    bar = tqdm(total=len(items), initial=already, unit="conv", disable=not progress, desc="regen")
+    mine = sum(len(items[i * shard_size : (i + 1) * shard_size]) for i in range(part[0], num_shards, part[1]))
+    already = mine - sum(len(items[i * shard_size : (i + 1) * shard_size]) for i in todo)
+    bar = tqdm(total=mine, initial=already, unit="conv", disable=not progress, desc="regen")
     stats = {"samples": 0, "tokens": 0, "assistant_tokens": 0}
     t0 = time.time()
     for i in todo:
@@ -202,6 +205,7 @@ def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0
         bar.update(len(chunk))
     bar.close()
     stats["seconds"] = round(time.time() - t0, 1)
-    done = {**settings, "num_shards": num_shards, "complete": True, "last_run": stats}
+    complete = all(shard_path(out, i).is_file() for i in range(num_shards))
+    done = {**settings, "num_shards": num_shards, "complete": complete, "last_run": stats}
     write_json_atomic(done, out / "manifest.json")
     return stats

@@ -87,6 +87,19 @@ def read_manifest(root) -> dict:
         raise DataError(f"{path} is not valid JSON ({e})") from None
 
 
+def parse_part(text: str | None) -> tuple[int, int]:
+    """'I/N' -> (I, N): this machine does shards I, I + N, I + 2N, ... (None: all shards, (0, 1))."""
+    if text is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part takes I/N (this machine's index and the number of machines), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"--part {text}: need 0 <= I < N")
+    return i, n
+
+
 def load_samples(root, *, target_fingerprint: str | None = None) -> list[Sample]:
     """All samples of a data directory, in shard order; checks that every listed shard is complete."""
     root = Path(root)

@@ -31,7 +31,9 @@ def estimate_bytes(num_tokens: int, aux_width: int, topk: int) -> int:
     return num_tokens * (aux_width * 2 + topk * (2 + 4))
 
 
-def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=True) -> dict:
+def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=True, part=(0, 1)) -> dict:
+    """Cache aux states and top-k target probabilities per data shard; part (I, N): shards I, I + N, ...
+    only, so N machines sharing `out_dir` split the work (each shard is its own file)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -47,7 +49,7 @@ def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=T
     aux_width = tgt.cfg.hidden_size * len(tgt.aux_layers)
     if not 1 <= topk <= tgt.cfg.vocab_size:
         raise ValueError(f"topk must be in [1, {tgt.cfg.vocab_size}], got {topk}")
-    todo = [i for i in range(man["num_shards"]) if not states_path(out, i).is_file()]
+    todo = [i for i in range(man["num_shards"]) if i % part[1] == part[0] and not states_path(out, i).is_file()]
     shards = {i: load_shard(data_dir, i) for i in todo}
     need = estimate_bytes(sum(len(s.input_ids) for ss in shards.values() for s in ss), aux_width, topk)
     out.mkdir(parents=True, exist_ok=True)
