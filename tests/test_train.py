@@ -211,6 +211,31 @@ def test_ddp_two_processes_equal_one_process(learn, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_ddp_two_nodes_rendezvous_equal_one_process(learn, tmp_path):
+    """The multi-machine launch of docs/scale-out.md (torchrun --nnodes 2 with a c10d rendezvous), with two
+    "nodes" on this machine: same losses as one process."""
+    _, tdir, data, _ = learn
+    common = ["--target", tdir, "--data", data, "--depth", "3", "--steps", "3", "--batch-size", "8",
+              "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "0", "--log-every", "1",
+              "--draft-vocab-size", "64", "--val-fraction", "0.1", "--save-dtype", "fp32", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "eaglespec.cli", "train", "--out", str(tmp_path / "one"), *common],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "scaleout",
+                               "-m", "eaglespec.cli", "train", "--out", str(tmp_path / "two"), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for _ in range(2)]  # fmt: skip
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), "\n".join(o[-2000:] for o in outs)
+    la = [r["loss"] for r in read_metrics(tmp_path / "one") if r["kind"] == "train"]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "two") if r["kind"] == "train"]
+    assert len(la) == len(lb) == 3 and la == pytest.approx(lb, rel=1e-4)
+
+
 def test_offline_states_train_like_online(learn, tmp_path):
     from eaglespec.train.states import build_states, estimate_bytes
 
