@@ -118,6 +118,25 @@ def test_round_trip_eagle3_speculators_eagle3_is_bit_exact(pair, tmp_path):
     assert torch.equal(want, draft_logits(tmp_path / "back", target))
 
 
+def test_narrow_drafter_with_own_embedding_round_trips(pair, tmp_path):
+    """target_hidden_size != hidden_size: fc reads 3 x the target's width, the drafter ships its own embedding."""
+    from eaglespec.export import engine_ignored_keys
+    from eaglespec.models.drafter import DrafterConfig, Eagle3Drafter
+
+    target_dir, _, target = pair
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                        vocab_size=96, draft_vocab_size=96, target_hidden_size=64, fc_norm=True)  # fmt: skip
+    torch.manual_seed(3)
+    d = Eagle3Drafter(cfg, own_embedding=True)
+    save_drafter(d, tmp_path / "narrow", dtype="fp32", include_embedding=True)
+    export_drafter(tmp_path / "narrow", "speculators", tmp_path / "s", target_dir=target_dir)
+    export_drafter(tmp_path / "s", "eagle3", tmp_path / "back", target_dir=target_dir)
+    assert same_tensors(load_tensors(tmp_path / "narrow"), load_tensors(tmp_path / "back"))
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["target_hidden_size"] == 64
+    assert torch.equal(draft_logits(tmp_path / "narrow", target), draft_logits(tmp_path / "back", target))
+    assert any("target_hidden_size" in n for n in engine_ignored_keys(cfg, "speculators"))
+
+
 def test_speculators_without_norm_before_residual_reads_as_true(pair, tmp_path):
     """vLLM's default when the key is missing; our reader follows it so such files mean the same here."""
     target_dir, drafter_dir, _ = pair

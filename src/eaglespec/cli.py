@@ -257,7 +257,7 @@ def cmd_export(args) -> int:
                            speculative_tokens=k_gpu)  # fmt: skip
     print(f"[eaglespec] wrote {src.cfg.eagle_version} drafter ({args.fmt}): " + ", ".join(str(f) for f in files),
           file=sys.stderr)  # fmt: skip
-    for note in engine_ignored_keys(src.cfg):
+    for note in engine_ignored_keys(src.cfg, args.fmt):
         print(f"[eaglespec] note: {note}", file=sys.stderr)
     k = k_cpu if args.fmt == "gguf" else k_gpu
     for engine, command in serving_commands(args.fmt, files, str(target), k).items():

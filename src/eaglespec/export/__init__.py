@@ -77,7 +77,7 @@ def open_source(drafter_dir, target_dir) -> Source:
     from ..models.checkpoint import load_tensors
 
     target = TargetInfo.read(target_dir)
-    fc = [v for k, v in load_tensors(drafter_dir).items() if k.endswith("fc.weight")]
+    fc = list(load_tensors(drafter_dir, names={"fc.weight", "model.fc.weight"}).values())
     stored_dtype = fc[0].dtype if fc and fc[0].is_floating_point() else torch.float32
     drafter = load_drafter(drafter_dir, dtype=stored_dtype)  # no upcast: every copy is bit-exact
     check_pair(drafter, target, str(drafter_dir))
@@ -126,9 +126,13 @@ def export_drafter(drafter_dir, fmt: str, out, *, target_dir, dtype: str | None 
                              speculative_tokens=options.get("speculative_tokens") or 3)  # fmt: skip
 
 
-def engine_ignored_keys(cfg: DrafterConfig) -> list[str]:
-    """Settings of ours that other engines do not read (they run the drafter without them)."""
+def engine_ignored_keys(cfg: DrafterConfig, fmt: str = "eagle3") -> list[str]:
+    """What other engines will not honour for this drafter (they run it without, or cannot load it)."""
     notes = []
+    if fmt == "speculators" and cfg.target_width != cfg.hidden_size:
+        notes.append(f"target_hidden_size {cfg.target_width} != hidden_size {cfg.hidden_size}: vLLM reads it, "
+                     "but speculators' own Eagle3DraftModel (0.9) sizes fc by the draft width and cannot "
+                     "load it")
     if cfg.draft_attention_window:
         notes.append(f"draft_attention_window={cfg.draft_attention_window}: other engines run the drafter's "
                      "attention over the whole context (acceptance on long prompts may be lower there)")  # fmt: skip
