@@ -1,0 +1,160 @@
+"""The drafter comparison protocol (issue 14): acceptance of drafter variants, each trained with several
+seeds, on the same prompts, per condition and speculation shape, with bootstrap intervals.
+
+Conditions (all from held-out test-split suites):
+- standard: the chat, code and docs_qa suites, chats rendered with the target's own template;
+- perturbed/<format>: the held-out conversations (chat, docs_qa, summarization suites) rendered in each
+  format of bench/templates.py, none of which the drafters saw in training;
+- long: the long_context suite's shortest documents (2K-6K tokens).
+Shapes: forced, never switched off (adaptive False), greedy: chain7 (a chain of 7), tree (the default
+EAGLE-2 tree: depth 4, top-k 4, 16 nodes) and tree7 (depth 7, top-k 4, 32 nodes).
+Per prompt we keep (drafts, accepted) and the accepted counts per position; tau and ratios come from
+bench/bootstrap.py. Greedy verification makes each number a deterministic function of drafter and prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..spec.proposer import TreeShape
+from .templates import FORMATS
+
+SHAPES = {"chain7": ("chain", 7, None), "tree": ("tree", None, TreeShape(4, 4, 16)),
+          "tree7": ("tree", None, TreeShape(7, 4, 32))}  # fmt: skip
+STANDARD = ("chat", "code", "docs_qa")
+CONVERSATIONS = ("chat", "docs_qa", "summarization")
+PAPER_RATIOS = {"perturbed": "up to 2x", "standard": "1.10x", "long": "1.18x"}  # arXiv 2605.09992 (abstract)
+
+
+@dataclass
+class Prompt:
+    id: str
+    condition: str
+    ids: list[int]
+
+
+def build_prompts(tokenizer, *, conversations: int | None = None, formats=tuple(FORMATS), long_limit: int = 3,
+                  max_length: int = 32768, max_new_tokens: int = 32) -> list[Prompt]:  # fmt: skip
+    """Every condition's prompts, tokenized; `conversations` caps the held-out conversations per suite."""
+    from .suites import load_suite, tokenize_suite
+
+    out = []
+    for cat in STANDARD:
+        out += [Prompt(p.id, "standard", p.ids) for p in tokenize_suite(load_suite(cat), cat, tokenizer)]
+    convs = [it for cat in CONVERSATIONS for it in load_suite(cat, conversations)]
+    for name in formats:
+        render = FORMATS[name]
+        for it in convs:
+            ids = tokenizer.encode(render(it["messages"]), add_special_tokens=False)
+            out.append(Prompt(f"{it['id']}@{name}", f"perturbed/{name}", ids))
+    if long_limit:
+        out += [Prompt(p.id, "long", p.ids)
+                for p in tokenize_suite(load_suite("long_context", long_limit), "long_context", tokenizer)]  # fmt: skip
+    return [p for p in out if len(p.ids) + max_new_tokens <= max_length]
+
+
+def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAPES), max_new_tokens: int = 32,
+                    dtype: str = "fp32") -> dict:  # fmt: skip
+    """{shape: {prompt id: [drafts, accepted, [accepted per position ...], output ids]}} for one drafter."""
+    from ..api import generate, load_engine
+
+    result = {}
+    for shape in shapes:
+        mode, k, tree = SHAPES[shape]
+        engine = load_engine(target, drafter, mode=mode, chain_k=k or 4, tree=tree, adaptive=False, dtype=dtype)
+        rows = {}
+        for p in prompts:
+            out = generate(engine, [p.ids], max_new_tokens=max_new_tokens)
+            s = out.stats
+            rows[p.id] = [s.drafts, s.accepted, list(s.accepted_per_pos), out.results[0].output_ids]
+        result[shape] = rows
+    return result
+
+
+def run(target, variants: dict[str, list[str]], out_dir, prompts: list[Prompt], **kw) -> Path:
+    """Measure every drafter of every variant (resumable: one JSON per drafter, kept when present)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prompts.json").write_text(json.dumps([[p.id, p.condition, len(p.ids)] for p in prompts]))
+    for name, drafters in variants.items():
+        for d in drafters:
+            path = out / f"{name}--{Path(d).parent.name if Path(d).name == 'final' else Path(d).name}.json"
+            if path.is_file():
+                continue
+            t0 = time.time()
+            rec = {"variant": name, "drafter": str(d), "measured": measure_drafter(target, d, prompts, **kw)}
+            rec["seconds"] = round(time.time() - t0, 1)
+            path.write_text(json.dumps(rec))
+    return out
+
+
+def load_counts(out_dir) -> tuple[dict, dict, bool]:
+    """From run()'s records: counts[variant][shape][condition] = array [seeds, prompts, 2] of (drafts,
+    accepted); positions[variant][shape][condition] = (drafts, accepted at each position summed); and
+    whether every drafter produced the same output on every prompt (the target's own greedy output)."""
+    out = Path(out_dir)
+    by_cond: dict[str, list[str]] = {}
+    for pid, cond, _ in json.loads((out / "prompts.json").read_text()):
+        by_cond.setdefault(cond, []).append(pid)
+    counts: dict = {}
+    positions: dict = {}
+    outputs: dict = {}
+    for path in sorted(out.glob("*--*.json")):
+        rec = json.loads(path.read_text())
+        v = rec["variant"]
+        for shape, rows in rec["measured"].items():
+            for pid, row in rows.items():
+                outputs.setdefault(pid, set()).add(tuple(row[3]))
+            for cond, ids in by_cond.items():
+                arr = np.array([rows[i][:2] for i in ids], dtype=np.float64)
+                counts.setdefault(v, {}).setdefault(shape, {}).setdefault(cond, []).append(arr)
+                per_pos = np.zeros(max((len(rows[i][2]) for i in ids), default=0))
+                for i in ids:
+                    per_pos[: len(rows[i][2])] += rows[i][2]
+                drafts, acc = positions.setdefault(v, {}).setdefault(shape, {}).get(cond, (0.0, np.zeros(0)))
+                width = max(len(acc), len(per_pos))
+                total = np.pad(acc, (0, width - len(acc))) + np.pad(per_pos, (0, width - len(per_pos)))
+                positions[v][shape][cond] = (drafts + arr[:, 0].sum(), total)
+    counts = {v: {s: {c: np.stack(a) for c, a in cs.items()} for s, cs in ss.items()} for v, ss in counts.items()}
+    identical = all(len(o) == 1 for o in outputs.values())
+    return counts, positions, identical
+
+
+def pooled_conditions(counts_for_shape: dict) -> dict:
+    """Adds 'perturbed' (every perturbed format's prompts together) next to the per-format conditions."""
+    out = dict(counts_for_shape)
+    parts = [a for c, a in counts_for_shape.items() if c.startswith("perturbed/")]
+    if parts:
+        out["perturbed"] = np.concatenate(parts, axis=1)
+    return out
+
+
+def summarize_run(out_dir, baseline: str, *, replicates: int = 2000) -> dict:
+    """{shape: {condition: {variant: tau, tau_ci, ratio, ratio_ci, per_position}}} over every variant measured,
+    plus outputs_identical_across_drafters (lossless check: every drafter gave the target's own output)."""
+    from .bootstrap import summarize
+
+    counts, positions, identical = load_counts(out_dir)
+    variants = list(counts)
+    if baseline not in variants:
+        raise ValueError(f"baseline variant {baseline!r} not measured (have {variants})")
+    report: dict = {}
+    for shape in counts[baseline]:
+        conds = {v: pooled_conditions(counts[v][shape]) for v in variants}
+        for cond in conds[baseline]:
+            summary = summarize({v: conds[v][cond] for v in variants}, baseline, replicates=replicates)
+            for v in variants:
+                parts = [positions[v][shape][c] for c in positions[v][shape]
+                         if c == cond or (cond == "perturbed" and c.startswith("perturbed/"))]  # fmt: skip
+                drafts = sum(d for d, _ in parts)
+                width = max((len(a) for _, a in parts), default=0)
+                acc = sum((np.pad(a, (0, width - len(a))) for _, a in parts), np.zeros(width))
+                summary[v]["per_position"] = [float(a / drafts) for a in acc] if drafts else []
+            report.setdefault(shape, {})[cond] = summary
+    report["outputs_identical_across_drafters"] = identical
+    return report
