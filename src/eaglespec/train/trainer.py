@@ -387,7 +387,7 @@ class Trainer:
                            "step_accuracy": _accuracy(_reduce([w[1] for w in window])),
                            "tokens_per_s": tokens_log * self.world / dt})  # fmt: skip
                 t_log, tokens_log, window = time.perf_counter(), 0, []
-            if self.step % cfg.save_every == 0 or self.step == last_step:
+            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == last_step:
                 self._barrier()
                 if self.rank == 0:
                     self._save_checkpoint()
