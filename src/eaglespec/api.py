@@ -81,6 +81,7 @@ def load_engine(
     expected_tokens: int | None = None,
     quantize: str | None = None,
     quantize_group: int | None = None,
+    ngram_tokens: int | None = None,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
 
@@ -91,7 +92,8 @@ def load_engine(
     "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
     the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only
     quantization of the target's decoder layers (models/quantize.py; speculation is lossless against
-    the quantized target), int4 in groups of `quantize_group` input channels."""
+    the quantized target), int4 in groups of `quantize_group` input channels. ngram_tokens: context
+    n-gram candidates merged into each draft (hybrid proposer; None: the engine's default for the mode)."""
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -104,7 +106,8 @@ def load_engine(
         set_attention_window(drafter, draft_window, tgt.cfg.max_position_embeddings)
     window = DRAFT_PREFILL_WINDOW if draft_prefill_window is None else draft_prefill_window
     engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
-                    adaptive=adaptive, confidence=confidence, draft_prefill_window=window)  # fmt: skip
+                    adaptive=adaptive, confidence=confidence, draft_prefill_window=window,
+                    ngram_tokens=ngram_tokens)  # fmt: skip
     engine.precision = (dtype, why)
     engine.compiled = choose_compile(engine, compile, expected_tokens)
     return engine

@@ -7,7 +7,8 @@ Conditions (all from held-out test-split suites):
   format of bench/templates.py, none of which the drafters saw in training;
 - long: the long_context suite's shortest documents (2K-6K tokens).
 Shapes: forced, never switched off (adaptive False), greedy: chain7 (a chain of 7), tree (the default
-EAGLE-2 tree: depth 4, top-k 4, 16 nodes) and tree7 (depth 7, top-k 4, 32 nodes).
+EAGLE-2 tree: depth 4, top-k 4, 16 nodes), tree7 (depth 7, top-k 4, 32 nodes), and tree+ngram (the default
+tree plus up to 8 tokens copied from the context: the hybrid proposer, for the rare-token study).
 Per prompt we keep (drafts, accepted) and the accepted counts per position; tau and ratios come from
 bench/bootstrap.py. Greedy verification makes each number a deterministic function of drafter and prompt.
 """
@@ -24,8 +25,10 @@ import numpy as np
 from ..spec.proposer import TreeShape
 from .templates import FORMATS
 
-SHAPES = {"chain7": ("chain", 7, None), "tree": ("tree", None, TreeShape(4, 4, 16)),
-          "tree7": ("tree", None, TreeShape(7, 4, 32))}  # fmt: skip
+# name -> (mode, chain length, tree shape, context n-gram tokens merged per step: the hybrid proposer)
+SHAPES = {"chain7": ("chain", 7, None, 0), "tree": ("tree", None, TreeShape(4, 4, 16), 0),
+          "tree7": ("tree", None, TreeShape(7, 4, 32), 0),
+          "tree+ngram": ("tree", None, TreeShape(4, 4, 16), 8)}  # fmt: skip
 STANDARD = ("chat", "code", "docs_qa")
 CONVERSATIONS = ("chat", "docs_qa", "summarization")
 PAPER_RATIOS = {"perturbed": "up to 2x", "standard": "1.10x", "long": "1.18x"}  # arXiv 2605.09992 (abstract)
@@ -60,18 +63,21 @@ def build_prompts(tokenizer, *, conversations: int | None = None, formats=tuple(
 
 def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAPES), max_new_tokens: int = 32,
                     dtype: str = "fp32") -> dict:  # fmt: skip
-    """{shape: {prompt id: [drafts, accepted, [accepted per position ...], output ids]}} for one drafter."""
+    """{shape: {prompt id: [drafts, accepted, [accepted per position ...], output ids, copied draft tokens,
+    copied tokens accepted]}} for one drafter."""
     from ..api import generate, load_engine
 
     result = {}
     for shape in shapes:
-        mode, k, tree = SHAPES[shape]
-        engine = load_engine(target, drafter, mode=mode, chain_k=k or 4, tree=tree, adaptive=False, dtype=dtype)
+        mode, k, tree, ngram = SHAPES[shape]
+        engine = load_engine(target, drafter, mode=mode, chain_k=k or 4, tree=tree, adaptive=False, dtype=dtype,
+                             ngram_tokens=ngram)  # fmt: skip
         rows = {}
         for p in prompts:
             out = generate(engine, [p.ids], max_new_tokens=max_new_tokens)
             s = out.stats
-            rows[p.id] = [s.drafts, s.accepted, list(s.accepted_per_pos), out.results[0].output_ids]
+            rows[p.id] = [s.drafts, s.accepted, list(s.accepted_per_pos), out.results[0].output_ids,
+                          s.copied_tokens, s.copied_accepted]
         result[shape] = rows
     return result
 
