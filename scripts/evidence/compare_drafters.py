@@ -4,7 +4,8 @@
         [--variants e31,e3,fcnorm,normout] [--baseline e3] [--conversations 8] [--max-new-tokens 32] \
         [--shapes chain7,tree,tree7] [--summarize-only]
 
-Drafters are found as RUNS/d<depth>-<variant>-s<seed>/final. Measurements are kept per drafter in OUT
+Drafters are found as RUNS/d<depth>-<variant>-s<seed>/final, or given with --variant NAME=DIR[,DIR...].
+Measurements are kept per drafter in OUT
 (resumable); the summary goes to OUT/report.json and OUT/report.md (tau with 95% interval per variant,
 ratio to the baseline with its interval, per condition and shape, the paper's ratio beside it).
 """
@@ -63,6 +64,8 @@ def main() -> int:
     ap.add_argument("--runs", default=str(REPO / "runs" / "e14"))
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--variants", default="e31,e3,fcnorm,normout")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR[,DIR...]",
+                    help="explicit drafters of a variant (repeat per variant); replaces the search under --runs")
     ap.add_argument("--baseline", default="e3")
     ap.add_argument("--out", required=True)
     ap.add_argument("--conversations", type=int, default=8, help="held-out conversations per suite (chat, docs_qa, "
@@ -81,7 +84,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     target = REPO / "models" / "target"
     out = Path(args.out)
-    variants = find_variants(Path(args.runs), args.depth, args.variants.split(","))
+    if args.variant:
+        variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variant}
+    else:
+        variants = find_variants(Path(args.runs), args.depth, args.variants.split(","))
     if not args.summarize_only:
         if args.baseline not in variants:
             sys.exit(f"no trained drafters for the baseline {args.baseline!r} under {args.runs} (found {variants})")
