@@ -106,3 +106,23 @@ def test_protocol_runs_and_summarizes_on_tiny_models(toy, tmp_path):
     rec = json.loads((out / "e31--e31-s0.json").read_text())["measured"]["chain7"]
     drafts = sum(r[0] for r in rec.values())
     assert drafts > 0 and len(e31["per_position"]) <= 7
+
+
+def test_rare_tokens_counts_tokens_outside_the_draft_vocabulary(tmp_path):
+    from eaglespec.bench.compare import rare_tokens
+
+    (tmp_path / "prompts.json").write_text(json.dumps([["chat/00", "standard", 9], ["chat/00@vicuna",
+                                                       "perturbed/vicuna", 9]]))  # fmt: skip
+    rows = {"chat/00": [4, 6, [3, 2, 1], [1, 2, 7, 3, 9, 4, 5, 6, 2, 1], 0, 0],  # 7 and 9 are out of vocabulary
+            "chat/00@vicuna": [2, 1, [1], [9, 9, 1], 5, 1]}  # fmt: skip
+    (tmp_path / "e31--d.json").write_text(json.dumps({"variant": "e31", "drafter": "d", "measured": {"tree": rows}}))
+    mask = np.ones(10, dtype=bool)
+    mask[[7, 9]] = False
+    seen = []
+    report = rare_tokens(tmp_path, lambda d: seen.append(d) or mask)
+    assert seen == ["d"]
+    std, pert = report["e31--d"]["tree"]["standard/chat"], report["e31--d"]["tree"]["perturbed/vicuna"]
+    assert std["tokens"] == 10 and std["oov_fraction"] == pytest.approx(0.2) and std["oov_per_step"] == 0.5
+    assert std["tau"] == pytest.approx(1 + 6 / 4)
+    assert pert["oov_fraction"] == pytest.approx(2 / 3) and pert["oov_per_step"] == 1.0
+    assert (pert["copied_drafted"], pert["copied_accepted"]) == (5, 1)

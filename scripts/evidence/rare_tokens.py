@@ -26,31 +26,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    from eaglespec.bench.compare import rare_tokens
     from eaglespec.models.drafter import load_drafter
 
-    rec_dir = Path(args.records)
-    conds = {pid: cond for pid, cond, _ in json.loads((rec_dir / "prompts.json").read_text())}
-    group = lambda pid, cond: cond if cond != "standard" else "standard/" + pid.split("/")[0]
-    report = {}
-    for path in sorted(rec_dir.glob("*--*.json")):
-        rec = json.loads(path.read_text())
-        in_vocab = load_drafter(rec["drafter"]).t2d
-        per = {}
-        for shape, rows in rec["measured"].items():
-            for pid, row in rows.items():
-                g = per.setdefault(shape, {}).setdefault(group(pid, conds[pid]), [0, 0, 0, 0, 0, 0])
-                out = row[3]
-                g[0] += len(out)
-                g[1] += sum(1 for t in out if not in_vocab[t])
-                g[2] += row[0]  # drafts (verification steps)
-                g[3] += row[1]  # accepted draft tokens
-                g[4] += row[4] if len(row) > 4 else 0  # copied draft tokens
-                g[5] += row[5] if len(row) > 5 else 0  # copied tokens accepted
-        report[path.stem] = {
-            shape: {g: {"tokens": v[0], "oov_fraction": v[1] / v[0] if v[0] else 0.0,
-                        "oov_per_step": v[1] / v[2] if v[2] else 0.0, "tau": 1 + v[3] / v[2] if v[2] else 1.0,
-                        "copied_drafted": v[4], "copied_accepted": v[5]} for g, v in sorted(groups.items())}
-            for shape, groups in per.items()}  # fmt: skip
+    report = rare_tokens(args.records, lambda d: load_drafter(d).t2d.numpy())
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     for name, shapes in report.items():
         for shape, groups in shapes.items():
