@@ -126,3 +126,4 @@ def test_rare_tokens_counts_tokens_outside_the_draft_vocabulary(tmp_path):
     assert std["tau"] == pytest.approx(1 + 6 / 4)
     assert pert["oov_fraction"] == pytest.approx(2 / 3) and pert["oov_per_step"] == 1.0
     assert (pert["copied_drafted"], pert["copied_accepted"]) == (5, 1)
+    assert report["e31--d"]["tree"]["perturbed"] == pert  # the pooled group of one format

@@ -171,7 +171,7 @@ def rare_tokens(out_dir, in_vocab_of) -> dict:
     oov_per_step, tau, copied_drafted, copied_accepted}}}. `in_vocab_of(drafter path)` gives a boolean mask over
     the target vocabulary. A drafter can never propose a token outside its vocabulary, so each one the target
     writes ends its verification step: oov_per_step is the share of steps cut short by the vocabulary alone.
-    Groups: standard prompts by suite, perturbed and long by condition. Copied n-gram candidates (the hybrid
+    Groups: standard prompts by suite, perturbed by format and pooled, long. Copied n-gram candidates (the hybrid
     proposer, shape tree+ngram) are not limited to the draft vocabulary."""
     out = Path(out_dir)
     conds = {pid: cond for pid, cond, _ in json.loads((out / "prompts.json").read_text())}
@@ -182,9 +182,12 @@ def rare_tokens(out_dir, in_vocab_of) -> dict:
         per: dict = {}
         for shape, rows in rec["measured"].items():
             for pid, (drafts, accepted, _, ids, copied, copied_acc) in rows.items():
-                group = "standard/" + pid.split("/")[0] if conds[pid] == "standard" else conds[pid]
-                g = per.setdefault(shape, {}).setdefault(group, np.zeros(6))
-                g += [len(ids), int((~in_vocab[ids]).sum()) if ids else 0, drafts, accepted, copied, copied_acc]
+                cond = conds[pid]
+                groups = ["standard/" + pid.split("/")[0]] if cond == "standard" else [cond]
+                groups += ["perturbed"] if cond.startswith("perturbed/") else []  # all formats pooled, too
+                for group in groups:
+                    g = per.setdefault(shape, {}).setdefault(group, np.zeros(6))
+                    g += [len(ids), int((~in_vocab[ids]).sum()) if ids else 0, drafts, accepted, copied, copied_acc]
         report[path.stem] = {
             shape: {g: {"tokens": int(v[0]), "oov_fraction": v[1] / v[0] if v[0] else 0.0,
                         "oov_per_step": v[1] / v[2] if v[2] else 0.0, "tau": 1 + v[3] / v[2] if v[2] else 1.0,
