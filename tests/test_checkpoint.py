@@ -232,3 +232,10 @@ def test_eagle3_semantics_flags_off(tgt):
     l_a, s_a = _run_drafter(e3, tgt, torch.float32)
     l_b, s_b = _run_drafter(e3b, tgt, torch.float32)
     assert torch.allclose(l_a, l_b, atol=1e-5) and torch.allclose(e3.norm(s_a), s_b, atol=1e-5)
+
+
+def test_eagle_version_names_the_ablations(tgt):
+    """Only both switches make EAGLE-3.1; one switch alone is labelled as the ablation it is (drift, export)."""
+    names = [random_drafter(tgt, fc_norm=f, norm_output=n).cfg.eagle_version
+             for f, n in ((True, True), (False, False), (True, False), (False, True))]  # fmt: skip
+    assert names == ["EAGLE-3.1", "EAGLE-3", "EAGLE-3 + fc_norm", "EAGLE-3 + norm_output"]

@@ -62,7 +62,10 @@ class DrafterConfig:
 
     @property
     def eagle_version(self) -> str:
-        return "EAGLE-3.1" if (self.fc_norm or self.norm_output) else "EAGLE-3"
+        if self.fc_norm and self.norm_output:
+            return "EAGLE-3.1"
+        # one switch alone is an ablation, neither EAGLE-3.1 nor EAGLE-3
+        return "EAGLE-3 + fc_norm" if self.fc_norm else "EAGLE-3 + norm_output" if self.norm_output else "EAGLE-3"
 
     @classmethod
     def from_dict(cls, raw: dict) -> DrafterConfig:
