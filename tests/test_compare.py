@@ -127,3 +127,16 @@ def test_rare_tokens_counts_tokens_outside_the_draft_vocabulary(tmp_path):
     assert pert["oov_fraction"] == pytest.approx(2 / 3) and pert["oov_per_step"] == 1.0
     assert (pert["copied_drafted"], pert["copied_accepted"]) == (5, 1)
     assert report["e31--d"]["tree"]["perturbed"] == pert  # the pooled group of one format
+
+
+def test_shape_ratios_compare_two_shapes_of_the_same_drafter(tmp_path):
+    from eaglespec.bench.compare import shape_ratios
+
+    (tmp_path / "prompts.json").write_text(json.dumps([["a", "standard", 5], ["b", "standard", 5]]))
+    measured = {"tree": {"a": [4, 4, [], [1], 0, 0], "b": [4, 4, [], [1], 0, 0]},  # tau 2
+                "tree+ngram": {"a": [2, 4, [], [1], 3, 2], "b": [2, 4, [], [1], 3, 2]}}  # tau 3  # fmt: skip
+    (tmp_path / "e31--d.json").write_text(json.dumps({"variant": "e31", "drafter": "d", "measured": measured}))
+    r = shape_ratios(tmp_path, "tree", replicates=50)["e31"]["tree+ngram"]["standard"]
+    assert r["ratio"] == pytest.approx(1.5) and r["ratio_ci"] == pytest.approx((1.5, 1.5))
+    with pytest.raises(ValueError, match="not measured"):
+        shape_ratios(tmp_path, "chain7")

@@ -76,10 +76,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--replicates", type=int, default=2000)
     ap.add_argument("--summarize-only", action="store_true")
+    ap.add_argument("--shape-baseline", help="also report each shape's tau ratio to this shape, per variant "
+                    "(e.g. tree, to see what tree+ngram adds)")  # fmt: skip
     args = ap.parse_args()
 
     from eaglespec.api import load_tokenizer
-    from eaglespec.bench.compare import build_prompts, run, summarize_run
+    from eaglespec.bench.compare import build_prompts, run, shape_ratios, summarize_run
 
     torch.set_num_threads(args.threads)
     target = REPO / "models" / "target"
@@ -97,10 +99,19 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         run(target, variants, out, prompts, shapes=tuple(args.shapes.split(",")), max_new_tokens=args.max_new_tokens)
     report = summarize_run(out, args.baseline, replicates=args.replicates)
+    text = markdown(report, args.baseline)
+    if args.shape_baseline:
+        report["shape_ratios"] = shape_ratios(out, args.shape_baseline, replicates=args.replicates)
+        text += f"\n### tau ratio to shape {args.shape_baseline}, same drafter\n\n"
+        text += "| variant | shape | condition | ratio |\n|---|---|---|---|\n"
+        for v, shapes in report["shape_ratios"].items():
+            for s, conds in shapes.items():
+                text += "".join(f"| {v} | {s} | {c} | {fmt_ci(r['ratio'], r['ratio_ci'])} |\n"
+                                for c, r in conds.items())
     report["command"] = "python scripts/evidence/compare_drafters.py " + " ".join(sys.argv[1:])
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(report, args.baseline))
-    print(markdown(report, args.baseline))
+    (out / "report.md").write_text(text)
+    print(text)
     return 0
 
 

@@ -194,3 +194,22 @@ def rare_tokens(out_dir, in_vocab_of) -> dict:
                         "copied_drafted": int(v[4]), "copied_accepted": int(v[5])} for g, v in sorted(groups.items())}
             for shape, groups in per.items()}  # fmt: skip
     return report
+
+
+def shape_ratios(out_dir, baseline_shape: str, *, replicates: int = 2000) -> dict:
+    """{variant: {shape: {condition: tau ratio to baseline_shape, interval}}}: what a shape (e.g. tree+ngram, the
+    hybrid proposer) adds over another for the same drafters on the same prompts (paired bootstrap)."""
+    from .bootstrap import summarize
+
+    counts, _, _ = load_counts(out_dir)
+    out: dict = {}
+    for v, shapes in counts.items():
+        if baseline_shape not in shapes:
+            raise ValueError(f"shape {baseline_shape!r} not measured for {v} (have {sorted(shapes)})")
+        base = pooled_conditions(shapes[baseline_shape])
+        for shape in (s for s in shapes if s != baseline_shape):
+            other = pooled_conditions(shapes[shape])
+            for cond in base:
+                s = summarize({"base": base[cond], "other": other[cond]}, "base", replicates=replicates)["other"]
+                out.setdefault(v, {}).setdefault(shape, {})[cond] = {"ratio": s["ratio"], "ratio_ci": s["ratio_ci"]}
+    return out
