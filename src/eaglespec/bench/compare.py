@@ -183,9 +183,9 @@ def rare_tokens(out_dir, in_vocab_of) -> dict:
         for shape, rows in rec["measured"].items():
             for pid, (drafts, accepted, _, ids, copied, copied_acc) in rows.items():
                 cond = conds[pid]
-                groups = ["standard/" + pid.split("/")[0]] if cond == "standard" else [cond]
-                groups += ["perturbed"] if cond.startswith("perturbed/") else []  # all formats pooled, too
-                for group in groups:
+                names = ["standard/" + pid.split("/")[0]] if cond == "standard" else [cond]
+                names += ["perturbed"] if cond.startswith("perturbed/") else []  # all formats pooled, too
+                for group in names:
                     g = per.setdefault(shape, {}).setdefault(group, np.zeros(6))
                     g += [len(ids), int((~in_vocab[ids]).sum()) if ids else 0, drafts, accepted, copied, copied_acc]
         report[path.stem] = {
