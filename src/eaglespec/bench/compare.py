@@ -198,7 +198,8 @@ def rare_tokens(out_dir, in_vocab_of) -> dict:
 
 def shape_ratios(out_dir, baseline_shape: str, *, replicates: int = 2000) -> dict:
     """{variant: {shape: {condition: tau ratio to baseline_shape, interval}}}: what a shape (e.g. tree+ngram, the
-    hybrid proposer) adds over another for the same drafters on the same prompts (paired bootstrap)."""
+    hybrid proposer) adds over another for the same drafters on the same prompts (prompts paired; with several
+    seeds, seeds are resampled per shape as for two variants, which makes the interval conservative)."""
     from .bootstrap import summarize
 
     counts, _, _ = load_counts(out_dir)
