@@ -1,6 +1,6 @@
-"""Weight-only quantized targets (models/quantize.py): layers against a dequantize-then-matmul reference,
-row invariance, speculative output equal to the quantized target's own plain output for every family,
-tree/chain/auto, batched, int8 and int4, and bad input."""
+"""Quantized targets (models/quantize.py): layers against a dequantize-then-matmul reference, row
+invariance, speculative output equal to the quantized target's own plain output for every family,
+tree/chain/auto, batched, int8 and int4 weight-only and w8a8, and bad input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from eaglespec.engine import Engine, Request
 from eaglespec.models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
-from eaglespec.models.quantize import QuantizedLinear, parse_quantize, quantize_target
+from eaglespec.models.quantize import SCHEMES, QuantizedLinear, parse_quantize, quantize_rows, quantize_target
 from eaglespec.spec.proposer import TreeShape
 from helpers import FAMILIES, random_drafter, tiny_target
 from rigged import RiggedProposer
@@ -53,6 +53,45 @@ def test_layer_matches_dequantized_reference_and_is_row_invariant(bits, n, bias)
         assert torch.equal(q(flat[rows]), full[rows])  # a row's bits do not depend on the rows beside it
 
 
+@pytest.mark.parametrize("n, bias", [(96, False), (40, True)])
+def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_invariant(n, bias):
+    lin = _linear(n, 256, bias)
+    q = QuantizedLinear.from_linear(lin, 8, activations="int8")
+    x = torch.randn(2, 17, 256) * torch.logspace(-2, 1, 17)[:, None]  # rows of very different sizes
+    x[0, 3] = 0.0  # an all-zero row: scale clamped, output = bias
+    codes, scale = quantize_rows(x.reshape(-1, 256))
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127
+    err = (codes.float() * scale - x.reshape(-1, 256)).abs()
+    assert (err <= 0.5 * scale * 1.0001).all()  # at most half a step per activation
+    # reference in float64: exact integer sums, then the two scales
+    ref = (codes.double() @ q.codes.double().T) * q.scales.double() * scale.double()
+    if bias:
+        ref = ref + lin.bias.double()
+    y = q(x)
+    assert y.shape == (2, 17, n) and y.dtype == torch.float32
+    assert torch.allclose(y.reshape(-1, n).double(), ref, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(y, lin(x), rtol=0.05, atol=0.02 * lin(x).abs().max().item())  # close to the dense layer
+    flat = x.reshape(-1, 256)
+    full = q(flat)
+    for rows in (slice(0, 1), slice(0, 5), slice(7, 8), slice(2, 19)):
+        assert torch.equal(q(flat[rows]), full[rows])
+    assert torch.equal(q(x.bfloat16()).float(), q(x.bfloat16().float()).bfloat16().float())  # bf16 in: same sums
+
+
+def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():
+    from eaglespec.models.quantize import FusedQuantized
+
+    for bits, acts in [(8, None), (4, None), (8, "int8")]:
+        parts = [QuantizedLinear.from_linear(_linear(n, 64, seed=n), bits, GROUP, acts) for n in (64, 32, 32)]
+        x = torch.randn(5, 64)
+        want = torch.cat([p(x) for p in parts], -1)
+        fused = FusedQuantized(parts)
+        assert torch.equal(fused(x), want)
+        assert all(p.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr() for p in parts)
+        assert sum(p.codes.numel() for p in parts) == fused.codes.numel()
+        assert torch.equal(torch.cat([p(x) for p in parts], -1), want)  # the originals still compute
+
+
 def test_weight_bytes_meet_the_memory_goals():
     lin = _linear(512, 1024)
     fp32 = lin.weight.numel() * 4
@@ -61,10 +100,10 @@ def test_weight_bytes_meet_the_memory_goals():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("bits", [8, 4])
-def test_speculation_equals_plain_decoding_of_the_quantized_target(tmp_path, family, bits):
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_speculation_equals_plain_decoding_of_the_quantized_target(tmp_path, family, scheme):
     target, _, _ = tiny_target(tmp_path, family)
-    quantize_target(target, bits, GROUP)
+    quantize_target(target, *SCHEMES[scheme][:1], GROUP, SCHEMES[scheme][1])
     assert isinstance(target.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert tree_plain_gap(target) <= MAX_TREE_PLAIN_GAP
     reqs = [Request(p, N_NEW) for p in _prompts(3, seed=41)]
@@ -93,14 +132,17 @@ def test_quantization_changes_the_target_it_is_lossless_against(tmp_path):
 
 
 def test_bad_quantization_requests_are_clear(tmp_path):
-    with pytest.raises(ValueError, match="int8, int4 or none"):
+    with pytest.raises(ValueError, match="int8, int4, w8a8 or none"):
         parse_quantize("int3")
-    assert parse_quantize("none") is None and parse_quantize("int4") == 4
+    assert parse_quantize("none") is None and parse_quantize("int4") == (4, None)
+    assert parse_quantize("w8a8") == (8, "int8")
+    with pytest.raises(ValueError, match="needs int8 weights"):
+        QuantizedLinear.from_linear(_linear(32, 64), 4, 32, activations="int8")
     with pytest.raises(ValueError, match="does not divide the layer's 64 input channels"):
         QuantizedLinear.from_linear(_linear(32, 64), 4, 128)
     with pytest.raises(ValueError, match="one of 32, 64, 128, 256"):
         QuantizedLinear.from_linear(_linear(32, 64), 4, 48)
-    with pytest.raises(ValueError, match="int8 and int4"):
+    with pytest.raises(ValueError, match="int8, int4 and w8a8"):
         QuantizedLinear.from_linear(_linear(32, 64), 2)
     target, _, _ = tiny_target(tmp_path, "qwen2")
     with pytest.raises(ValueError, match="--quantize-group must be >= 1"):
@@ -116,7 +158,10 @@ def test_cli_generate_with_quantized_target(tmp_path, capsys):
     rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--max-new-tokens", "4",
                "--quantize", "int4", "--quantize-group", "32", "--json"])  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 0 and "int4 weight-only in the decoder layers, groups of 32" in err
+    assert rc == 0 and "int4 in the decoder layers, groups of 32, weight-only" in err
+    rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--max-new-tokens", "4",
+               "--quantize", "w8a8", "--json"])  # fmt: skip
+    assert rc == 0 and "int8 activations per token (w8a8" in capsys.readouterr().err
     rc = main(["generate", "--target", str(target_dir), "--input", str(prompts), "--quantize", "int4",
                "--quantize-group", "128"])  # fmt: skip
     assert rc == 2 and "does not divide" in capsys.readouterr().err
@@ -154,8 +199,8 @@ def test_sampling_preserves_the_quantized_target_distribution(tmp_path):
     assert _chi2(counts[1], m2**1.5 / (m2**1.5).sum()) < 1e-3 and _chi2(counts[1], p1) < 1e-3
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_saved_quantized_target_loads_without_requantizing_and_decodes_the_same(tmp_path, bits):
+@pytest.mark.parametrize("bits, activations", [(8, "none"), (4, "none"), (8, "int8")])
+def test_saved_quantized_target_loads_without_requantizing_and_decodes_the_same(tmp_path, bits, activations):
     import json
 
     from eaglespec.cli import main
@@ -164,11 +209,13 @@ def test_saved_quantized_target_loads_without_requantizing_and_decodes_the_same(
     target, _, target_dir = tiny_target(tmp_path, "qwen2")
     out = tmp_path / f"q{bits}"
     assert main(["quantize", "--target", str(target_dir), "--out", str(out), "--bits", str(bits),
-                 "--group", "32"]) == 0  # fmt: skip
+                 "--group", "32", "--activations", activations]) == 0  # fmt: skip
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["quant_method"] == "eaglespec" and config["bits"] == bits
+    acts = None if activations == "none" else activations
+    assert config["quant_method"] == "eaglespec" and config["bits"] == bits and config["activations"] == acts
     loaded = load_target(out)
-    fresh = quantize_target(target, bits, GROUP)
+    assert loaded.quantization["activations"] == acts
+    fresh = quantize_target(target, bits, GROUP, acts)
     for a, b in zip(loaded.model.layers[0].mlp.children(), fresh.model.layers[0].mlp.children()):
         if isinstance(b, QuantizedLinear):
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
@@ -198,7 +245,8 @@ def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     bad_configs = [({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
-                   ({"quant_method": "eaglespec", "bits": 3}, "int8 and int4"),
+                   ({"quant_method": "eaglespec", "bits": 3}, "int8, int4 and w8a8"),
+                   ({"quant_method": "eaglespec", "bits": 4, "activations": "int8"}, "needs int8 weights"),
                    ({"quant_method": "eaglespec", "bits": 8, "group_size": 32}, "unexpected tensors.*zeros")]
     for bad, needle in bad_configs:
         (out / "config.json").write_text(json.dumps({**config, "quantization_config": bad}))

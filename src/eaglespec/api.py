@@ -34,19 +34,20 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
                                 quantize_group: int | None = None):  # fmt: skip
     """(target, dtype, reason). dtype "auto": the fastest precision for the device (models/precision.py),
     kept only if a token's logits in a verification forward match its plain step's there (else fp32),
-    so greedy speculation stays identical to plain decoding. quantize: "int8"/"int4" weight-only
-    quantization of the decoder layers (models/quantize.py), applied before that check."""
+    so greedy speculation stays identical to plain decoding. quantize: "int8"/"int4" weight-only or
+    "w8a8" quantization of the decoder layers (models/quantize.py), applied before that check."""
     from .models.checkpoint import read_config
     from .models.fast_linear import prepare_for_inference
     from .models.precision import MAX_TREE_PLAIN_GAP, choose_dtype, tree_plain_gap
     from .models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
 
-    bits = parse_quantize(quantize)  # bad input fails before anything loads
+    scheme = parse_quantize(quantize)  # bad input fails before anything loads
 
     def load(name: str):
         tgt = load_target(target, device=device, dtype=name)
-        if bits is not None:
-            quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group)
+        if scheme is not None:
+            bits, activations = scheme
+            quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group, activations)
         return tgt
 
     raw = read_config(target)
@@ -90,7 +91,7 @@ def load_engine(
     the drafter reads at prefill (None: the engine default, 0: the whole prompt). draft_window: the
     drafter's attention window (None: its config's draft_attention_window, 0: none). compile: "on",
     "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
-    the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only
+    the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only (or "w8a8")
     quantization of the target's decoder layers (models/quantize.py; speculation is lossless against
     the quantized target), int4 in groups of `quantize_group` input channels. ngram_tokens: context
     n-gram candidates merged into each draft (hybrid proposer; None: the engine's default for the mode)."""

@@ -39,9 +39,10 @@ def _add_generate(sub):
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantization of the target's decoder layers at load (models/quantize.py); "
-                        "speculative output equals the quantized target's own")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
+                   help="quantize the target's decoder layers at load (models/quantize.py): int8/int4 weight-only, "
+                        "w8a8 int8 weights and per-token int8 activations (fastest on CPU); speculative output "
+                        "equals the quantized target's own")
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
@@ -105,8 +106,9 @@ def cmd_generate(args) -> int:
     q = getattr(engine.target, "quantization", None)  # --quantize, or a saved `eaglespec quantize` directory
     if q is not None:
         group = f", groups of {q['group']}" if q["group"] else ""
-        print(f"[eaglespec] weights: int{q['bits']} weight-only in the decoder layers{group} ({dtype} matmuls)",
-              file=sys.stderr)  # fmt: skip
+        how = ("with int8 activations per token (w8a8, exact int32 sums)" if q.get("activations")
+               else f"weight-only ({dtype} matmuls)")  # fmt: skip
+        print(f"[eaglespec] weights: int{q['bits']} in the decoder layers{group}, {how}", file=sys.stderr)
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.drafter is not None:
         print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)
@@ -192,13 +194,15 @@ def _add_bench(sub):
 
 def cmd_quantize(args) -> int:
     from .models.checkpoint import load_target
-    from .models.quantize import DEFAULT_GROUP, quantize_target, save_quantized
+    from .models.quantize import DEFAULT_GROUP, quantize_target, save_quantized, scheme_name
 
+    activations = None if args.activations == "none" else args.activations
+    if activations and args.bits != 8:
+        raise SystemExit("eaglespec quantize: --activations int8 needs --bits 8 (w8a8)")
     target = load_target(args.target)
-    quantize_target(target, args.bits, DEFAULT_GROUP if args.group is None else args.group)
+    quantize_target(target, args.bits, DEFAULT_GROUP if args.group is None else args.group, activations)
     out = save_quantized(target, args.target, args.out)
-    group = f", groups of {target.quantization['group']}" if args.bits == 4 else ""
-    print(f"[eaglespec] wrote int{args.bits}{group} quantized target to {out}", file=sys.stderr)
+    print(f"[eaglespec] wrote {scheme_name(target.quantization)} quantized target to {out}", file=sys.stderr)
     return 0
 
 
@@ -269,12 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglespec", description="EAGLE-3/3.1 speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    p = sub.add_parser("quantize", help="write a weight-only int8/int4 quantized copy of a target (loads without "
-                       "re-quantizing)")  # fmt: skip
+    p = sub.add_parser("quantize", help="write an int8/int4 (weight-only) or w8a8 quantized copy of a target (loads "
+                       "without re-quantizing)")  # fmt: skip
     p.add_argument("--target", required=True, help="HF target directory (Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--bits", type=int, choices=[8, 4], required=True)
     p.add_argument("--group", type=int, default=None, help="int4: channels per scale (32/64/128/256; 128)")
+    p.add_argument("--activations", choices=["none", "int8"], default="none",
+                   help="int8: activations quantized per token at run time (w8a8; with --bits 8)")
     p.set_defaults(func=cmd_quantize)
     p = sub.add_parser("toy-models", help="write a tiny random target + drafter (with a tokenizer) for trying things")
     p.add_argument("out", help="output folder")

@@ -43,9 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantized target (models/quantize.py); transformers peers run it unquantized, "
-                        "llama.cpp on q8_0 for int8")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
+                   help="quantized target (models/quantize.py: int8/int4 weight-only, w8a8); transformers peers run "
+                        "it unquantized, llama.cpp on q8_0 for int8 and w8a8")
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..machine import best_seconds
 from .layers import MLP, Attention
+from .quantize import FusedQuantized, QuantizedLinear
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -105,11 +106,13 @@ class PackedLinear(nn.Module):
         return self.fast(x)
 
 
-def _fuse(linears: list[nn.Linear]) -> FastLinear | None:
+def _fuse(linears: list[nn.Linear]) -> FastLinear | FusedQuantized | None:
     """One matmul for linears that read the same input; each linear's parameters become views into
     the concatenated weight, so there is one copy in memory."""
+    if all(isinstance(m, QuantizedLinear) for m in linears):
+        return FusedQuantized(linears)  # also quantizes a W8A8 layer's input once instead of 2-3 times
     if not all(type(m) in (nn.Linear, PackedLinear) for m in linears) or len({m.weight.dtype for m in linears}) != 1:
-        return None  # e.g. quantized layers: keep them separate
+        return None
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
         return None
@@ -125,9 +128,11 @@ def _fuse(linears: list[nn.Linear]) -> FastLinear | None:
     return FastLinear(weight, bias)
 
 
-def _stale(fused: FastLinear | None, first: nn.Linear) -> bool:
+def _stale(fused: FastLinear | FusedQuantized | None, first: nn.Module) -> bool:
     """Weights moved (model.to) or replaced since the last preparation."""
-    return fused is None or fused.weight.data_ptr() != first.weight.data_ptr()
+    if isinstance(fused, FusedQuantized):
+        return not isinstance(first, QuantizedLinear) or fused.codes.data_ptr() != first.codes.data_ptr()
+    return fused is None or not hasattr(first, "weight") or fused.weight.data_ptr() != first.weight.data_ptr()
 
 
 def prepare_for_inference(model: nn.Module) -> nn.Module:
@@ -164,4 +169,5 @@ def kernel_signature(model: nn.Module) -> str:
     for m in model.modules():
         fast = [getattr(m, "_qkv", None), getattr(m, "_gate_up", None), getattr(m, "fast", None)]
         marks += ["P" if f.packed is not None else "F" for f in fast if isinstance(f, FastLinear)]
+        marks += ["Q" for f in fast if isinstance(f, FusedQuantized)]
     return "".join(marks)

@@ -11,12 +11,21 @@ was tried and is NOT lossless: attention's last-bit differences between a tree f
 it on Qwen3). So the precision choice (`--dtype`, with its tree-vs-plain gap check) decides the speed.
 Off CPU the weight is dequantized for each call (correct, not fast).
 
+W8A8 (`--quantize w8a8`, `activations="int8"`): int8 weights as above and each activation row
+quantized on the fly to int8 with its own scale (dynamic, per token, symmetric: what llama.cpp's q8_0
+CPU path and vLLM's W8A8-int8 schemes compute). The int8 x int8 products are summed exactly in int32 by
+oneDNN's u8s8 linear (prepacked weight), so a row's result cannot depend on the other rows or the row
+count, and the cost of verifying 17 rows is ~1.5x one row instead of ~6-9x for the weight-only kernel
+(BENCHMARKS.md §12). Exactness is checked once per process with extreme codes (`_exact_int8_kernel`):
+CPUs without VNNI/AMX sum pairs of u8 x s8 products in saturating int16, which would not be exact.
+
 Lossless by construction: plain steps and every verification forward of a quantized target run these
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -30,6 +39,8 @@ DEFAULT_GROUP = 128  # int4: 0.14x of fp32's bytes with scales, against 0.19x at
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
 INT4_ROWS = 16  # the int4 CPU kernel packs output channels in blocks of 16: others are zero-padded
 HELD_DTYPE = torch.bfloat16  # scales and zero points are held at bf16 precision (the kernels' smallest)
+ACTIVATIONS = (None, "int8")  # None: weight-only; "int8": dynamic per-token int8 activations (W8A8)
+SCHEMES = {"int8": (8, None), "int4": (4, None), "w8a8": (8, "int8")}  # --quantize name -> (bits, activations)
 
 
 def _held(scale: torch.Tensor) -> torch.Tensor:
@@ -38,17 +49,63 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
     return (scale.clamp(min=1e-12) * (1 + 2**-8)).to(HELD_DTYPE).float()
 
 
+@functools.cache
+def _exact_int8_kernel() -> str | None:
+    """The W8A8 kernel whose int32 sums are exact here at 1, 5 and 17 rows ("onednn" or "int_mm"), tried
+    with the largest codes (where a saturating int16 pair sum would fail), else None."""
+    g = torch.Generator().manual_seed(0)
+    k, n = 256, 48
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w[:, :64] = 127
+    x = torch.randint(-127, 128, (17, k), generator=g, dtype=torch.int8)
+    x[:, :64] = 127
+    x[1::2, :64] = -127
+    exact = (x.double() @ w.double().T).float()  # |sums| < 2**24: every candidate's fp32 result must equal it
+    for name in ("onednn", "int_mm"):
+        try:
+            run = _int8_matmul(name, w, torch.ones(n))
+            if all(torch.equal(run(x[:m]), exact[:m]) for m in (1, 5, 17)) and torch.equal(run(x[3:4]), exact[3:4]):
+                return name
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
+    """int8 rows [m, k] -> fp32 [m, n] = (rows @ codes.T, summed exactly in int32) * scales."""
+    if name == "onednn":
+        packed = torch.ops.onednn.qlinear_prepack(codes, None)
+        zero = torch.zeros(codes.shape[0], dtype=torch.int64)
+        # u8 activations with zero point 128 (oneDNN's fast int8 path); scales applied per output channel
+        return lambda q: torch.ops.onednn.qlinear_pointwise(
+            (q.to(torch.int16) + 128).to(torch.uint8), 1.0, 128, packed, scales, zero, None, 1.0, 0,
+            torch.float32, "none", [], "")  # fmt: skip
+    codes_t = codes.t()
+    return lambda q: torch._int_mm(q, codes_t).float() * scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8: (codes int8 [m, k], scale fp32 [m, 1]) with x ~ codes * scale.
+    Each row's codes depend on that row only."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_(min=1e-30).div_(127)
+    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
 class QuantizedLinear(nn.Module):
-    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision. Buffers: `codes`
-    (int8 [out, in]; int4: two codes per byte [out, in / 2], the even column in the low nibble),
-    `scales` (bf16 [out] or [out, in / group]) and, for int4, `zeros` (bf16 [out, in / group]): the
-    layout `eaglespec quantize` saves."""
+    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision; with
+    activations="int8" (int8 weights only) x is first rounded per row to int8 (quantize_rows) and the
+    integer products are summed exactly. Buffers: `codes` (int8 [out, in]; int4: two codes per byte
+    [out, in / 2], the even column in the low nibble), `scales` (bf16 [out] or [out, in / group]) and, for
+    int4, `zeros` (bf16 [out, in / group]): the layout `eaglespec quantize` saves."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int = DEFAULT_GROUP,
-                 bias: bool = False, device=None):  # fmt: skip
+                 bias: bool = False, device=None, activations: str | None = None):  # fmt: skip
         super().__init__()
         if bits not in BITS:
-            raise ValueError(f"--quantize supports int8 and int4, got {bits} bits")
+            raise ValueError(f"--quantize supports int8, int4 and w8a8, got {bits} bits")
+        if activations not in ACTIVATIONS or (activations and bits != 8):
+            raise ValueError(f"activation quantization {activations!r} needs int8 weights (w8a8); "
+                             f"supported: {ACTIVATIONS[1:]}")  # fmt: skip
         n, k = out_features, in_features
         if bits == 4:
             if group not in INT4_GROUPS:
@@ -58,6 +115,7 @@ class QuantizedLinear(nn.Module):
                 raise ValueError(f"int4 group size {group} does not divide the layer's {k} input channels; "
                                  f"use --quantize-group with a divisor of {k} or --quantize int8")  # fmt: skip
         self.in_features, self.out_features, self.bits, self.group = k, n, bits, group
+        self.activations = activations
         kw = {"device": device}
         self.bias = nn.Parameter(torch.zeros(n, **kw), requires_grad=False) if bias else None
         if bits == 8:
@@ -71,10 +129,11 @@ class QuantizedLinear(nn.Module):
         self._kernels = {}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, group: int = DEFAULT_GROUP) -> QuantizedLinear:
+    def from_linear(cls, linear: nn.Linear, bits: int, group: int = DEFAULT_GROUP,
+                    activations: str | None = None) -> QuantizedLinear:  # fmt: skip
         w = linear.weight.detach().float()
         n, k = w.shape
-        q = cls(k, n, bits, group, bias=linear.bias is not None)
+        q = cls(k, n, bits, group, bias=linear.bias is not None, activations=activations)
         if linear.bias is not None:
             q.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # scales (and int4 zero points) are held in bf16; codes are rounded against those held values,
@@ -93,6 +152,30 @@ class QuantizedLinear(nn.Module):
             q.scales = scale.view(n, -1).to(HELD_DTYPE)
             q.zeros = zero.view(n, -1).to(HELD_DTYPE)
         return q
+
+    @classmethod
+    def concat(cls, layers: list[QuantizedLinear]) -> QuantizedLinear:
+        """One layer computing `layers` (same input, same scheme) side by side; their buffers become views
+        into the new one's, so the codes are held once."""
+        first = layers[0]
+        same = {(m.in_features, m.bits, m.group, m.activations, m.bias is not None) for m in layers}
+        if len(same) != 1:
+            raise ValueError("only layers of one input size, scheme and bias setting can be concatenated")
+        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bits, first.group,
+                    bias=first.bias is not None, device=first.codes.device, activations=first.activations)  # fmt: skip
+        for name in ("codes", "scales", "zeros", "bias"):
+            parts = [getattr(m, name) for m in layers]
+            if parts[0] is None:
+                continue
+            whole = torch.cat([p.detach() for p in parts])
+            setattr(fused, name, nn.Parameter(whole, requires_grad=False) if name == "bias" else whole)
+            row = 0
+            for m, p in zip(layers, parts):
+                view = whole[row : row + p.shape[0]]
+                setattr(m, name, nn.Parameter(view, requires_grad=False) if name == "bias" else view)
+                m._kernels = {}
+                row += p.shape[0]
+        return fused
 
     def unpacked_codes(self) -> torch.Tensor:
         """[out, in] integer codes (int4: 0..15)."""
@@ -117,7 +200,17 @@ class QuantizedLinear(nn.Module):
         """torch's kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
         kernel = self._kernels.get(dtype)
         if kernel is None:
-            if self.bits == 8:
+            if self.activations == "int8":
+                name = _exact_int8_kernel()
+                if name is None:
+                    raise RuntimeError("--quantize w8a8 needs int8 matmuls that sum exactly in int32 (AVX512-VNNI, "
+                                       "AVX-VNNI or AMX on x86); this CPU's saturate. Use --quantize int8")  # fmt: skip
+                matmul = _int8_matmul(name, self.codes, self.scales.float())
+
+                def kernel(x):  # fp32 out: the bias is added before rounding to x's precision
+                    q, scale = quantize_rows(x)
+                    return matmul(q) * scale
+            elif self.bits == 8:
                 codes, scales = self.codes, self.scales.to(dtype)
                 kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
             else:
@@ -137,28 +230,52 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             y = self._cpu_kernel(x.dtype)(flat)
+        elif self.activations == "int8":  # other devices: the same arithmetic, dequantized (correct, not fast)
+            q, scale = quantize_rows(flat)
+            y = F.linear(q.float(), self.codes.float()) * self.scales.float() * scale
         else:
             y = F.linear(flat, self.dequantized_weight().to(device=x.device, dtype=x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.view(*lead, self.out_features)
+        return y.to(x.dtype).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.bits == 4 else ""
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{group}"
+        acts = ", activations=int8 per row" if self.activations else ""
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{group}{acts}"
 
 
-def parse_quantize(text: str | None) -> int | None:
-    """'int8' / 'int4' -> bits; None or 'none' -> None."""
+class FusedQuantized:
+    """One quantized matmul for layers that read the same input (q/k/v, gate/up): a plain object, not a
+    submodule, so state_dict and weight counts see the original layers only (models/fast_linear.py)."""
+
+    def __init__(self, layers: list[QuantizedLinear]):
+        self.layer = QuantizedLinear.concat(layers)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self.layer.codes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def parse_quantize(text: str | None) -> tuple[int, str | None] | None:
+    """'int8' / 'int4' / 'w8a8' -> (weight bits, activations); None or 'none' -> None."""
     if text in (None, "none"):
         return None
-    bits = {"int8": 8, "int4": 4}.get(text)
-    if bits is None:
-        raise ValueError(f"--quantize must be int8, int4 or none, got {text!r}")
-    return bits
+    scheme = SCHEMES.get(text)
+    if scheme is None:
+        raise ValueError(f"--quantize must be one of {', '.join(SCHEMES)} or none, got {text!r}")
+    return scheme
 
 
-def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP) -> nn.Module:
+def quantization_info(bits: int, group: int, activations: str | None) -> dict:
+    """What `model.quantization` holds (and reports) for a scheme."""
+    return {"bits": bits, "group": group if bits == 4 else None, "activations": activations}
+
+
+def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP, activations: str | None = None) -> nn.Module:
     """Replace the linear layers of every decoder layer (attention and MLP) by QuantizedLinear, in
     place. Embeddings and lm_head stay in the loaded precision (the drafter shares the embedding)."""
     if group < 1:
@@ -166,9 +283,16 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP) ->
     if getattr(target, "quantization", None) is not None:
         raise ValueError("this target is already quantized (a saved `eaglespec quantize` directory): "
                          "load it without --quantize")  # fmt: skip
-    _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group))
-    target.quantization = {"bits": bits, "group": group if bits == 4 else None}
+    _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group, activations))
+    target.quantization = quantization_info(bits, group, activations)
     return target
+
+
+def scheme_name(quantization: dict) -> str:
+    """'int8', 'w8a8' or 'int4 g128' for a model's `quantization`."""
+    if quantization.get("activations"):
+        return "w8a8"
+    return f"int{quantization['bits']}" + (f" g{quantization['group']}" if quantization["bits"] == 4 else "")
 
 
 def _replace_decoder_linears(model: nn.Module, make) -> None:
@@ -217,6 +341,7 @@ def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
         if f.is_file() and f.suffix not in WEIGHT_FILES and f.name not in NOT_COPIED:
             shutil.copyfile(f, out / f.name)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": q["bits"], "group_size": q["group"],
+                                     "activations": q.get("activations"),
                                      "modules": "decoder layers: self_attn and mlp linears"}  # fmt: skip
     write_json(config, out / "config.json")
     return out
@@ -234,12 +359,14 @@ def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
                               "compressed-tensors (models/compressed.py), or quantizes an unquantized model at "
                               "load with --quantize")  # fmt: skip
     bits, group = qcfg.get("bits"), qcfg.get("group_size") or DEFAULT_GROUP
+    activations = qcfg.get("activations")
     try:
         _replace_decoder_linears(model, lambda linear: QuantizedLinear(
-            linear.in_features, linear.out_features, bits, group, bias=linear.bias is not None, device="meta"))
+            linear.in_features, linear.out_features, bits, group, bias=linear.bias is not None, device="meta",
+            activations=activations))  # fmt: skip
     except ValueError as e:
         raise CheckpointError(f"{where}: bad quantization_config ({e})") from None
-    model.quantization = {"bits": bits, "group": group if bits == 4 else None}
+    model.quantization = quantization_info(bits, group, activations)
 
 
 def hold_scales(model: nn.Module) -> None:

@@ -132,6 +132,7 @@ def cache_key(target, drafter, batch: int) -> str:
         "compiled": is_compiled(target),
         "kernels": [kernel_signature(m) for m in (target, drafter) if m is not None],
         "batch": batch,
+        "quantization": getattr(target, "quantization", None),  # int8 and w8a8 hold the same tensors
         "target": _model_signature(target),
         "drafter": _model_signature(drafter) if drafter is not None else None,
     }

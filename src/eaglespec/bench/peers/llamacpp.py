@@ -234,7 +234,8 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason.
     source_dir: what the converter reads (default target_dir; --shape targets need a tokenizer added);
     not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties).
-    quantize: our target's --quantize; int8 runs llama.cpp on q8_0 weights (its nearest format)."""
+    quantize: our target's --quantize; int8 and w8a8 run llama.cpp on q8_0 weights (its nearest format:
+    its CPU dot products also round activations to 8 bits, per block of 32)."""
     from .llamacpp_convert import UnsupportedDrafter, check_drafter_supported, convert_drafter, convert_target
 
     if not kinds:
@@ -247,10 +248,10 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     if dtype not in OUTTYPE:
         raise ValueError(f"llama.cpp peer: no GGUF type for dtype {dtype!r} (choose from {', '.join(OUTTYPE)})")
     outtype = kv = OUTTYPE[dtype]
-    if quantize == "int8":
+    if quantize in ("int8", "w8a8"):
         outtype, not_lossless = "q8_0", not_lossless or "q8_0 (blocks of 32) quantizes unlike our int8 per channel"
     elif quantize not in (None, "none"):
-        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 -> q8_0 only; "
+        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 and w8a8 -> q8_0 only; "
                          "q4_0 needs llama-quantize)")  # fmt: skip
     target_gguf = convert_target(root, source_dir or target_dir, outtype)
     usable = []
