@@ -254,10 +254,12 @@ def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
             load_target(out)
 
 
-@pytest.mark.parametrize("fmt, bits", [("pack-quantized", 4), ("pack-quantized", 8), ("int-quantized", 8)])
-def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_its_weights(tmp_path, fmt, bits):
+@pytest.mark.parametrize("fmt, bits, w8a8", [("pack-quantized", 4, False), ("pack-quantized", 8, False),
+                                             ("int-quantized", 8, False), ("int-quantized", 8, True)])
+def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_its_weights(tmp_path, fmt, bits, w8a8):
     """A checkpoint written with compressed-tensors' own compressors (what vLLM loads): our layers equal
-    the library's decompressed weights, and greedy decoding equals transformers running those weights."""
+    the library's decompressed weights, and greedy decoding equals transformers running those weights
+    (W8A8: on inputs rounded per token to int8 with scale amax / 127, as vLLM's scaled_int8_quant does)."""
     import json
 
     pytest.importorskip("compressed_tensors")
@@ -272,7 +274,8 @@ def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_it
     src = Path(save_hf(hf, tmp_path / "dense"))
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group" if bits == 4 else "channel",
                             group_size=32 if bits == 4 else None)  # fmt: skip
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True) if w8a8 else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)
     compressor = BaseCompressor.load_from_registry(fmt)
     tensors, dense = load_file(str(src / "model.safetensors")), {}
     for name in [k for k in tensors if k.startswith("model.layers.") and k.endswith("proj.weight")]:
@@ -295,9 +298,19 @@ def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_it
     target = load_target(out)
     layer = target.model.layers[1].mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and layer.bits == bits
+    assert layer.activations == ("int8" if w8a8 else None) and target.quantization["activations"] == layer.activations
     assert torch.equal(layer.dequantized_weight(), dense["model.layers.1.mlp.down_proj.weight"])
     oracle = hf_tiny("llama", seed=5)
     oracle.load_state_dict({**oracle.state_dict(), **dense})
+    if w8a8:
+        def round_per_token(module, args):
+            x = args[0]
+            scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+            return (torch.round(x / scale).clamp(-127, 127) * scale,)
+
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and name.endswith("proj"):
+                module.register_forward_pre_hook(round_per_token)
     prompt = _prompts(1, seed=44)[0]
     ours = Engine(target).generate([Request(prompt, N_NEW)]).results[0].output_ids
     with torch.no_grad():
@@ -314,11 +327,18 @@ def test_unsupported_compressed_tensors_configs_are_refused(tmp_path):
 
     src = Path(tiny_target(tmp_path, "llama")[2])
     config = json.loads((src / "config.json").read_text())
-    w8a8 = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}  # fmt: skip
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    static = {"weights": int8,
+              "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}
+    output = {"weights": int8, "output_activations": {"num_bits": 8, "type": "int", "dynamic": True}}
+    w4a8 = {"weights": {**int8, "num_bits": 4, "strategy": "group", "group_size": 32},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}
     fp8 = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}
-    for group, needle in [(w8a8, "activation quantization is not supported"), (fp8, "float symmetric weights")]:
-        qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": group}}
+    for fmt, group, needle in [("int-quantized", static, "input activation quantization .*'dynamic': False"),
+                               ("int-quantized", output, "output activation quantization is not supported"),
+                               ("pack-quantized", w4a8, "int8 input activations with pack-quantized 4-bit"),
+                               ("float-quantized", fp8, "float symmetric weights")]:
+        qcfg = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"g": group}}
         (src / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
         with pytest.raises(CheckpointError, match=needle):
             load_target(src)

@@ -275,7 +275,8 @@ def quantization_info(bits: int, group: int, activations: str | None) -> dict:
     return {"bits": bits, "group": group if bits == 4 else None, "activations": activations}
 
 
-def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP, activations: str | None = None) -> nn.Module:
+def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP,
+                    activations: str | None = None) -> nn.Module:  # fmt: skip
     """Replace the linear layers of every decoder layer (attention and MLP) by QuantizedLinear, in
     place. Embeddings and lm_head stay in the loaded precision (the drafter shares the embedding)."""
     if group < 1:

@@ -251,8 +251,8 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     if quantize in ("int8", "w8a8"):
         outtype, not_lossless = "q8_0", not_lossless or "q8_0 (blocks of 32) quantizes unlike our int8 per channel"
     elif quantize not in (None, "none"):
-        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 and w8a8 -> q8_0 only; "
-                         "q4_0 needs llama-quantize)")  # fmt: skip
+        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 and w8a8 -> "
+                         "q8_0 only; q4_0 needs llama-quantize)")  # fmt: skip
     target_gguf = convert_target(root, source_dir or target_dir, outtype)
     usable = []
     if "llamacpp_eagle3" in kinds:
