@@ -59,8 +59,9 @@ def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_
     q = QuantizedLinear.from_linear(lin, 8, activations="int8")
     x = torch.randn(2, 17, 256) * torch.logspace(-2, 1, 17)[:, None]  # rows of very different sizes
     x[0, 3] = 0.0  # an all-zero row: scale clamped, output = bias
-    codes, scale = quantize_rows(x.reshape(-1, 256))
-    assert codes.dtype == torch.int8 and codes.abs().max() == 127
+    offset, scale = quantize_rows(x.reshape(-1, 256))
+    codes = offset.int() - 128
+    assert offset.dtype == torch.uint8 and codes.abs().max() == 127 and codes.min() >= -127
     err = (codes.float() * scale - x.reshape(-1, 256)).abs()
     assert (err <= 0.5 * scale * 1.0001).all()  # at most half a step per activation
     # reference in float64: exact integer sums, then the two scales
@@ -76,6 +77,23 @@ def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_
     for rows in (slice(0, 1), slice(0, 5), slice(7, 8), slice(2, 19)):
         assert torch.equal(q(flat[rows]), full[rows])
     assert torch.equal(q(x.bfloat16()).float(), q(x.bfloat16().float()).bfloat16().float())  # bf16 in: same sums
+
+
+def test_every_exact_int8_kernel_gives_the_same_bits():
+    """The W8A8 layer picks the fastest exact kernel per weight shape: the choice must not change outputs.
+    The chunked fp32 kernel is exact on any CPU, so w8a8 works everywhere."""
+    from eaglespec.models.quantize import EXACT_FP32_K, _exact_int8_kernels, _int8_matmul, _rows_for
+
+    names = _exact_int8_kernels()
+    assert "fp32" in names
+    g = torch.Generator().manual_seed(3)
+    for k in (256, EXACT_FP32_K * 2 + 64):
+        codes = torch.randint(-127, 128, (72, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(72, generator=g) * 0.01
+        q_u8 = torch.randint(1, 256, (17, k), generator=g, dtype=torch.uint8)
+        want = ((q_u8.double() - 128) @ codes.double().T).float() * scales
+        for name in names:
+            assert torch.equal(_int8_matmul(name, codes, scales)(_rows_for(name, q_u8)), want), (name, k)
 
 
 def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():

@@ -15,9 +15,11 @@ W8A8 (`--quantize w8a8`, `activations="int8"`): int8 weights as above and each a
 quantized on the fly to int8 with its own scale (dynamic, per token, symmetric: what llama.cpp's q8_0
 CPU path and vLLM's W8A8-int8 schemes compute). The int8 x int8 products are summed exactly in int32 by
 oneDNN's u8s8 linear (prepacked weight), so a row's result cannot depend on the other rows or the row
-count, and the cost of verifying 17 rows is ~1.5x one row instead of ~6-9x for the weight-only kernel
-(BENCHMARKS.md §12). Exactness is checked once per process with extreme codes (`_exact_int8_kernel`):
-CPUs without VNNI/AMX sum pairs of u8 x s8 products in saturating int16, which would not be exact.
+count, and the cost of verifying 17 rows stays close to one row's instead of ~6-20x for the weight-only
+kernels (BENCHMARKS.md §12). Exactness is checked once per process with extreme codes
+(`_exact_int8_kernels`: CPUs without VNNI/AMX sum pairs of u8 x s8 products in saturating int16), and of
+the exact kernels (oneDNN's prepacked u8s8 linear, torch._int_mm) the faster per weight shape is used;
+they give the same bits, so the choice cannot change an output.
 
 Lossless by construction: plain steps and every verification forward of a quantized target run these
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
@@ -49,46 +51,94 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
     return (scale.clamp(min=1e-12) * (1 + 2**-8)).to(HELD_DTYPE).float()
 
 
+# int8 x int8 -> exact sums on CPU: oneDNN's prepacked u8s8 linear and torch._int_mm (exact where the CPU
+# has VNNI/AMX), and an fp32 GEMM over chunks of EXACT_FP32_K input channels, exact on any CPU (every
+# partial sum is an integer below 2**24), at dense fp32 speed and with an fp32 copy of the codes
+INT8_KERNELS = ("onednn", "int_mm", "fp32")
+EXACT_FP32_K = 1024  # 1024 * 127 * 127 < 2**24
+
+
+def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
+    """Rows quantized by quantize_rows (converted by _rows_for) -> fp32 [m, n] = float(rows @ codes.T,
+    summed exactly) * scales: every kernel gives the same bits."""
+    if name == "onednn":
+        packed = torch.ops.onednn.qlinear_prepack(codes, None)
+        zero = torch.zeros(codes.shape[0], dtype=torch.int64)
+        return lambda q: torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 128, packed, scales, zero, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+    if name == "int_mm":
+        codes_t = codes.t()
+        return lambda q: torch._int_mm(q, codes_t).float() * scales
+    chunks = [(i, codes[:, i : i + EXACT_FP32_K].float()) for i in range(0, codes.shape[1], EXACT_FP32_K)]
+    if len(chunks) == 1:
+        return lambda q: F.linear(q, chunks[0][1]) * scales
+
+    def chunked(q):
+        acc = sum(F.linear(q[:, i : i + EXACT_FP32_K], w).to(torch.int32) for i, w in chunks)
+        return acc.float() * scales
+
+    return chunked
+
+
+def _rows_for(name: str, q_u8: torch.Tensor) -> torch.Tensor:
+    if name == "onednn":
+        return q_u8
+    return (q_u8.to(torch.int16) - 128).to(torch.int8) if name == "int_mm" else q_u8.float() - 128
+
+
 @functools.cache
-def _exact_int8_kernel() -> str | None:
-    """The W8A8 kernel whose int32 sums are exact here at 1, 5 and 17 rows ("onednn" or "int_mm"), tried
-    with the largest codes (where a saturating int16 pair sum would fail), else None."""
+def _exact_int8_kernels() -> tuple[str, ...]:
+    """The int8 kernels whose sums are exact here at 1, 5 and 17 rows (so they agree bit for bit), tried
+    with the largest codes (where CPUs without VNNI/AMX saturate pairs of u8 x s8 products in int16) and
+    more input channels than one fp32 chunk."""
     g = torch.Generator().manual_seed(0)
-    k, n = 256, 48
+    k, n = EXACT_FP32_K + 256, 48
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     w[:, :64] = 127
     x = torch.randint(-127, 128, (17, k), generator=g, dtype=torch.int8)
     x[:, :64] = 127
     x[1::2, :64] = -127
-    exact = (x.double() @ w.double().T).float()  # |sums| < 2**24: every candidate's fp32 result must equal it
-    for name in ("onednn", "int_mm"):
+    scales = torch.rand(n, generator=g) * 0.01
+    exact = (x.double() @ w.double().T).float() * scales  # as float(int32 sum) * scale
+    q_u8 = (x.to(torch.int16) + 128).to(torch.uint8)
+    found = []
+    for name in INT8_KERNELS:
         try:
-            run = _int8_matmul(name, w, torch.ones(n))
-            if all(torch.equal(run(x[:m]), exact[:m]) for m in (1, 5, 17)) and torch.equal(run(x[3:4]), exact[3:4]):
-                return name
+            run, rows = _int8_matmul(name, w, scales), _rows_for(name, q_u8)
+            checks = [(rows[:m], exact[:m]) for m in (1, 5, 17)] + [(rows[3:4], exact[3:4])]
+            if all(torch.equal(run(r), want) for r, want in checks):
+                found.append(name)
         except (RuntimeError, AttributeError):
             continue
-    return None
+    return tuple(found)
 
 
-def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
-    """int8 rows [m, k] -> fp32 [m, n] = (rows @ codes.T, summed exactly in int32) * scales."""
-    if name == "onednn":
-        packed = torch.ops.onednn.qlinear_prepack(codes, None)
-        zero = torch.zeros(codes.shape[0], dtype=torch.int64)
-        # u8 activations with zero point 128 (oneDNN's fast int8 path); scales applied per output channel
-        return lambda q: torch.ops.onednn.qlinear_pointwise(
-            (q.to(torch.int16) + 128).to(torch.uint8), 1.0, 128, packed, scales, zero, None, 1.0, 0,
-            torch.float32, "none", [], "")  # fmt: skip
-    codes_t = codes.t()
-    return lambda q: torch._int_mm(q, codes_t).float() * scales
+@functools.cache
+def _fastest_int8_kernel(shape: tuple[int, int]) -> str | None:
+    """Of the exact kernels, the faster here for an [out, in] weight (a one-row plus a 17-row call): oneDNN
+    is faster on large weights and many rows, int_mm's per-call cost is lower on small ones."""
+    from ..machine import best_seconds
+
+    names = _exact_int8_kernels()
+    if len(names) < 2:
+        return names[0] if names else "fp32"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    xs = [torch.randint(0, 256, (m, shape[1]), generator=g, dtype=torch.uint8) for m in (1, 17)]
+    cost = {}
+    for name in names:
+        run = _int8_matmul(name, w, torch.ones(shape[0]))
+        rows = [_rows_for(name, x) for x in xs]
+        cost[name] = best_seconds(lambda run=run, rows=rows: [run(r) for r in rows], 15)
+    return min(cost, key=cost.get)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row symmetric int8: (codes int8 [m, k], scale fp32 [m, 1]) with x ~ codes * scale.
-    Each row's codes depend on that row only."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_(min=1e-30).div_(127)
-    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
+    """Dynamic per-row symmetric int8, offset to u8: (codes + 128 as uint8 [m, k], scale fp32 [m, 1]) with
+    x ~ codes * scale, codes in [-127, 127] = round(x * 127 / amax) (vLLM's scaled_int8_quant rounds the
+    same way). Each row's codes depend on that row only."""
+    amax = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)
+    return torch.round(x * (127 / amax)).add_(128).to(torch.uint8), amax / 127
 
 
 class QuantizedLinear(nn.Module):
@@ -201,15 +251,12 @@ class QuantizedLinear(nn.Module):
         kernel = self._kernels.get(dtype)
         if kernel is None:
             if self.activations == "int8":
-                name = _exact_int8_kernel()
-                if name is None:
-                    raise RuntimeError("--quantize w8a8 needs int8 matmuls that sum exactly in int32 (AVX512-VNNI, "
-                                       "AVX-VNNI or AMX on x86); this CPU's saturate. Use --quantize int8")  # fmt: skip
+                name = _fastest_int8_kernel((self.out_features, self.in_features))
                 matmul = _int8_matmul(name, self.codes, self.scales.float())
 
                 def kernel(x):  # fp32 out: the bias is added before rounding to x's precision
                     q, scale = quantize_rows(x)
-                    return matmul(q) * scale
+                    return matmul(_rows_for(name, q)) * scale
             elif self.bits == 8:
                 codes, scales = self.codes, self.scales.to(dtype)
                 kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
@@ -232,7 +279,7 @@ class QuantizedLinear(nn.Module):
             y = self._cpu_kernel(x.dtype)(flat)
         elif self.activations == "int8":  # other devices: the same arithmetic, dequantized (correct, not fast)
             q, scale = quantize_rows(flat)
-            y = F.linear(q.float(), self.codes.float()) * self.scales.float() * scale
+            y = F.linear(q.float() - 128, self.codes.float()) * self.scales.float() * scale
         else:
             y = F.linear(flat, self.dequantized_weight().to(device=x.device, dtype=x.dtype))
         if self.bias is not None:
