@@ -136,6 +136,39 @@ def test_speculation_equals_plain_decoding_of_the_quantized_target(tmp_path, fam
             assert out.stats.tau > 1.5
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_w8a8_verification_rows_equal_plain_steps_bit_for_bit(tmp_path, family):
+    """A W8A8 layer rounds its input to int8 steps, so tree and plain steps must agree exactly, not to
+    ~1e-6: each row of one 17-token causal forward equals the plain step for that token (hidden states
+    before lm_head, every bit). fp32 attention alone fails this (its sums change order with the row
+    count); the target attends in fp64."""
+    from eaglespec.spec.proposer import causal_mask
+
+    target, _, _ = tiny_target(tmp_path, family)
+    quantize_target(target, 8, activations="int8")
+    assert target.attention_dtype == torch.float64
+    g = torch.Generator().manual_seed(7)
+    n, t = 37, 17
+    ids = torch.randint(0, target.cfg.vocab_size, (1, n + t), generator=g)
+
+    def prefilled():
+        cache = target.new_cache(1, max_length=n + t + 1)
+        meta = cache.prepare(None, causal_mask(torch.tensor([n]), n))
+        target(ids[:, :n], meta.write_pos, cache, meta, capture_aux=False)
+        cache.commit(None, torch.tensor([n]))
+        return cache
+
+    cache = prefilled()
+    meta = cache.prepare(None, causal_mask(torch.tensor([t]), t))
+    tree, _ = target(ids[:, n:], meta.write_pos, cache, meta, capture_aux=False)
+    cache = prefilled()
+    for i in range(t):
+        meta = cache.prepare(None, causal_mask(torch.tensor([1]), 1))
+        step, _ = target(ids[:, n + i : n + i + 1], meta.write_pos, cache, meta, capture_aux=False)
+        cache.commit(None, torch.tensor([1]))
+        assert torch.equal(step[0, 0], tree[0, i]), i
+
+
 def test_quantization_changes_the_target_it_is_lossless_against(tmp_path):
     """The quantized target is a different model: its plain output may differ from the fp32 one, and
     speculation follows the quantized one (checked above); here: int4 weights really are in use."""

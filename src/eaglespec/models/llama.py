@@ -144,7 +144,7 @@ class LlamaTarget(nn.Module):
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
             max_length=max_length or self.cfg.max_position_embeddings,
-            dtype=p.dtype,
+            dtype=getattr(self, "attention_dtype", None) or p.dtype,  # fp64 for W8A8 (models/quantize.py)
             device=p.device,
             initial_capacity=initial_capacity,
             sliding_window=self.cfg.sliding_window,

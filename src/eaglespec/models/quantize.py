@@ -23,6 +23,10 @@ they give the same bits, so the choice cannot change an output.
 
 Lossless by construction: plain steps and every verification forward of a quantized target run these
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
+For W8A8 the rest of the forward must agree exactly too (an input's int8 rounding turns a last-bit
+difference into a whole step): its linears are row-invariant by exact integer sums, and it attends in
+fp64 (`_set_quantization`), so each row of a verification forward equals the plain step bit for bit
+(tests/test_quantize.py checks every family).
 """
 
 from __future__ import annotations
@@ -332,8 +336,19 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP,
         raise ValueError("this target is already quantized (a saved `eaglespec quantize` directory): "
                          "load it without --quantize")  # fmt: skip
     _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group, activations))
-    target.quantization = quantization_info(bits, group, activations)
+    _set_quantization(target, quantization_info(bits, group, activations))
     return target
+
+
+def _set_quantization(model: nn.Module, info: dict) -> None:
+    """Record the scheme; W8A8 targets attend in fp64 (their KV cache too). Why: a W8A8 layer rounds its
+    input to int8 steps, so a last-bit difference in an fp32 attention output between a tree forward
+    and a plain step (~1e-6, the summation order changes with the row count) can cross a rounding
+    step and change a token (measured: 2 of 16 prompts on the bundled pair). In fp64 the two agree to
+    ~1e-15, far below fp32's resolution, so their fp32 results are the same bits."""
+    model.quantization = info
+    if info.get("activations"):
+        model.attention_dtype = torch.float64
 
 
 def scheme_name(quantization: dict) -> str:
@@ -414,7 +429,7 @@ def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
             activations=activations))  # fmt: skip
     except ValueError as e:
         raise CheckpointError(f"{where}: bad quantization_config ({e})") from None
-    model.quantization = quantization_info(bits, group, activations)
+    _set_quantization(model, quantization_info(bits, group, activations))
 
 
 def hold_scales(model: nn.Module) -> None:
