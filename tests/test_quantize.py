@@ -42,11 +42,12 @@ def test_layer_matches_dequantized_reference_and_is_row_invariant(bits, n, bias)
     x = torch.randn(2, 17, 64)
     y = q(x)
     assert y.shape == (2, 17, n) and y.dtype == torch.float32
-    # fp32 activations times the dequantized weight: equal up to fp32 summation order
-    ref = torch.nn.functional.linear(x, w, lin.bias)
-    assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5), (y - ref).abs().max()
-    y16 = q(x.bfloat16())  # bf16 activations (the fast path): within bf16 rounding
-    assert y16.dtype == torch.bfloat16 and torch.allclose(y16.float(), ref, atol=3e-2, rtol=3e-2)
+    # the layer computes on bf16 activations (W8A16 / W4A16; the kernels round scales and outputs to bf16):
+    # against bf16-rounded activations times the dequantized weight, within bf16 precision (|y| <~ 1)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), w, lin.bias)
+    assert torch.allclose(y, ref, atol=1e-2, rtol=1e-2), (y - ref).abs().max()
+    y16 = q(x.bfloat16())  # bf16 in: the same computation, returned in bf16
+    assert y16.dtype == torch.bfloat16 and torch.allclose(y16.float(), y, atol=1e-2, rtol=1e-2)
     flat = x.reshape(-1, 64)
     full = q(flat)
     for rows in (slice(0, 1), slice(0, 5), slice(7, 8)):
@@ -146,7 +147,7 @@ def test_w8a8_verification_rows_equal_plain_steps_bit_for_bit(tmp_path, family):
 
     target, _, _ = tiny_target(tmp_path, family)
     quantize_target(target, 8, activations="int8")
-    assert target.attention_dtype == torch.float64
+    assert target.new_cache(1, max_length=8).dtype == torch.float64
     g = torch.Generator().manual_seed(7)
     n, t = 37, 17
     ids = torch.randint(0, target.cfg.vocab_size, (1, n + t), generator=g)
@@ -179,7 +180,8 @@ def test_quantization_changes_the_target_it_is_lossless_against(tmp_path):
     after = target.model.layers[0].mlp.gate_proj(x)
     layer = target.model.layers[0].mlp.gate_proj
     assert not torch.equal(before, after)
-    assert torch.allclose(after, x @ layer.dequantized_weight().t(), atol=1e-5)  # the int4 weights, exactly
+    want = x.bfloat16().float() @ layer.dequantized_weight().t()  # the int4 weights on bf16 activations
+    assert torch.allclose(after, want, atol=1e-3, rtol=2**-8)
 
 
 def test_bad_quantization_requests_are_clear(tmp_path):
@@ -309,8 +311,9 @@ def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
                                              ("int-quantized", 8, False), ("int-quantized", 8, True)])
 def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_its_weights(tmp_path, fmt, bits, w8a8):
     """A checkpoint written with compressed-tensors' own compressors (what vLLM loads): our layers equal
-    the library's decompressed weights, and greedy decoding equals transformers running those weights
-    (W8A8: on inputs rounded per token to int8 with scale amax / 127, as vLLM's scaled_int8_quant does)."""
+    the library's decompressed weights, and greedy decoding equals transformers running those weights on
+    inputs rounded as ours are: to bf16 (weight-only), or per token to int8 steps of amax / 127 (W8A8, as
+    vLLM's scaled_int8_quant does)."""
     import json
 
     pytest.importorskip("compressed_tensors")
@@ -353,15 +356,19 @@ def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_it
     assert torch.equal(layer.dequantized_weight(), dense["model.layers.1.mlp.down_proj.weight"])
     oracle = hf_tiny("llama", seed=5)
     oracle.load_state_dict({**oracle.state_dict(), **dense})
-    if w8a8:
-        def round_per_token(module, args):
-            x = args[0]
-            scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
-            return (torch.round(x / scale).clamp(-127, 127) * scale,)
+    def round_per_token(module, args):  # W8A8: int8 steps per token
+        x = args[0]
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+        return (torch.round(x / scale).clamp(-127, 127) * scale,)
 
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and name.endswith("proj"):
-                module.register_forward_pre_hook(round_per_token)
+    def to_bf16(module, args, out=None):  # W8A16 / W4A16: bf16 activations in and out
+        return (args[0].bfloat16().float(),) if out is None else out.bfloat16().float()
+
+    for name, module in oracle.named_modules():
+        if name.startswith("model.layers.") and name.endswith("proj"):
+            module.register_forward_pre_hook(round_per_token if w8a8 else to_bf16)
+            if not w8a8:
+                module.register_forward_hook(to_bf16)
     prompt = _prompts(1, seed=44)[0]
     ours = Engine(target).generate([Request(prompt, N_NEW)]).results[0].output_ids
     with torch.no_grad():

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..kv_cache import KVCache, StepMeta
 from .layers import MLP, Attention, RMSNorm, Rotary, rope_tables
+from .quantize import attention_dtype
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -144,7 +145,7 @@ class LlamaTarget(nn.Module):
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
             max_length=max_length or self.cfg.max_position_embeddings,
-            dtype=getattr(self, "attention_dtype", None) or p.dtype,  # fp64 for W8A8 (models/quantize.py)
+            dtype=attention_dtype(self, p.dtype, p.device),  # fp64 for quantized targets on CPU
             device=p.device,
             initial_capacity=initial_capacity,
             sliding_window=self.cfg.sliding_window,

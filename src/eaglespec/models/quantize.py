@@ -1,32 +1,28 @@
-"""Weight-only quantization of a target's linear layers at load time: int8 (symmetric, one scale per
-output channel) or int4 (asymmetric, a scale and a zero point per group of `group` input channels).
+"""Quantization of a target's decoder linears at load time. Schemes (`--quantize`):
 
-Kernels: torch's own CPU kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`):
-`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`. A row's result does not depend on the other
-rows in the call. They run in the activations' precision: with bf16 activations one row is 2.4-2.8x
-faster than a dense bf16 matmul on a 2-vCPU Xeon; with fp32 they are 4-11x slower than dense fp32 but
-keep the model's fp32 rounding. Casting fp32 activations to bf16 around each quantized matmul (fast)
-was tried and is NOT lossless: attention's last-bit differences between a tree forward and a plain step
-(~1e-6 in fp32) cross bf16 rounding boundaries and change greedy tokens (tests/test_quantize.py found
-it on Qwen3). So the precision choice (`--dtype`, with its tree-vs-plain gap check) decides the speed.
-Off CPU the weight is dequantized for each call (correct, not fast).
+  int8  weight-only, symmetric, one scale per output channel; activations rounded to bf16 (W8A16)
+  int4  weight-only, asymmetric, a scale and a zero point per group of `group` input channels (W4A16)
+  w8a8  int8 weights as above, and each activation row rounded on the fly to int8 with its own scale
+        (dynamic, per token, symmetric: what llama.cpp's q8_0 CPU dot products and vLLM's W8A8-int8
+        schemes compute); the int8 x int8 products are summed exactly in int32
 
-W8A8 (`--quantize w8a8`, `activations="int8"`): int8 weights as above and each activation row
-quantized on the fly to int8 with its own scale (dynamic, per token, symmetric: what llama.cpp's q8_0
-CPU path and vLLM's W8A8-int8 schemes compute). The int8 x int8 products are summed exactly in int32 by
-oneDNN's u8s8 linear (prepacked weight), so a row's result cannot depend on the other rows or the row
-count, and the cost of verifying 17 rows stays close to one row's instead of ~6-20x for the weight-only
-kernels (BENCHMARKS.md §12). Exactness is checked once per process with extreme codes
-(`_exact_int8_kernels`: CPUs without VNNI/AMX sum pairs of u8 x s8 products in saturating int16), and of
-the exact kernels (oneDNN's prepacked u8s8 linear, torch._int_mm) the faster per weight shape is used;
-they give the same bits, so the choice cannot change an output.
+Kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`): weight-only layers run torch's
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on bf16 activations (with fp32 activations they are
+4-20x slower than dense fp32; with bf16 a one-row call is several times faster than dense fp32, but the
+cost grows ~linearly with rows). W8A8 runs the fastest exact int8 kernel for the weight's shape here
+(oneDNN's prepacked u8s8 linear, torch._int_mm, or a chunked fp32 GEMM that is exact on any CPU:
+`_exact_int8_kernels` checks exactness with extreme codes, since CPUs without VNNI/AMX saturate pairs of
+u8 x s8 products in int16); its cost stays nearly flat from 1 to 17 rows. Off CPU the weight is
+dequantized for each call (correct, not fast).
 
 Lossless by construction: plain steps and every verification forward of a quantized target run these
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
-For W8A8 the rest of the forward must agree exactly too (an input's int8 rounding turns a last-bit
-difference into a whole step): its linears are row-invariant by exact integer sums, and it attends in
-fp64 (`_set_quantization`), so each row of a verification forward equals the plain step bit for bit
-(tests/test_quantize.py checks every family).
+Every kernel here is row-invariant (a row's bits do not depend on the rows beside it), and the rest of
+the forward must be too, because these layers round their inputs (to bf16, or to int8 steps): a
+quantized target attends in fp64 on CPU (`attention_dtype`), so each row of a verification forward
+equals the plain step bit for bit (tests/test_quantize.py checks every family). Found the hard way:
+with fp32 attention, casting to bf16 around the matmuls changed greedy tokens (Qwen3 test) and W8A8
+changed 2 of 16 bundled prompts.
 """
 
 from __future__ import annotations
@@ -251,7 +247,7 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
 
     def _cpu_kernel(self, dtype: torch.dtype):
-        """torch's kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
+        """The kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
         kernel = self._kernels.get(dtype)
         if kernel is None:
             if self.activations == "int8":
@@ -262,7 +258,7 @@ class QuantizedLinear(nn.Module):
                     q, scale = quantize_rows(x)
                     return matmul(_rows_for(name, q)) * scale
             elif self.bits == 8:
-                codes, scales = self.codes, self.scales.to(dtype)
+                codes, scales = _aligned(self.codes), self.scales.to(dtype)
                 kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
             else:
                 n, pad = self.out_features, -self.out_features % INT4_ROWS
@@ -280,7 +276,10 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            y = self._cpu_kernel(x.dtype)(flat)
+            # weight-only: bf16 activations (W8A16 / W4A16), where torch's kernels are fast; W8A8 rounds
+            # the activations as they come to int8 steps
+            compute = x.dtype if self.activations else torch.bfloat16
+            y = self._cpu_kernel(compute)(flat.to(compute))
         elif self.activations == "int8":  # other devices: the same arithmetic, dequantized (correct, not fast)
             q, scale = quantize_rows(flat)
             y = F.linear(q.float() - 128, self.codes.float()) * self.scales.float() * scale
@@ -336,19 +335,20 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP,
         raise ValueError("this target is already quantized (a saved `eaglespec quantize` directory): "
                          "load it without --quantize")  # fmt: skip
     _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group, activations))
-    _set_quantization(target, quantization_info(bits, group, activations))
+    target.quantization = quantization_info(bits, group, activations)
     return target
 
 
-def _set_quantization(model: nn.Module, info: dict) -> None:
-    """Record the scheme; W8A8 targets attend in fp64 (their KV cache too). Why: a W8A8 layer rounds its
-    input to int8 steps, so a last-bit difference in an fp32 attention output between a tree forward
-    and a plain step (~1e-6, the summation order changes with the row count) can cross a rounding
-    step and change a token (measured: 2 of 16 prompts on the bundled pair). In fp64 the two agree to
-    ~1e-15, far below fp32's resolution, so their fp32 results are the same bits."""
-    model.quantization = info
-    if info.get("activations"):
-        model.attention_dtype = torch.float64
+def attention_dtype(model: nn.Module, param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The precision a target attends in (and keeps its KV cache in): fp64 for a quantized target on CPU.
+    Why: its quantized layers round their inputs (to bf16, or to int8 steps for W8A8), so a last-bit
+    difference in an attention output between a tree forward and a plain step (~1e-6 in fp32: the
+    summation order changes with the row count) can cross a rounding step and change a token (measured:
+    2 of 16 prompts on the bundled pair with W8A8). In fp64 the two agree to ~1e-15, far below the
+    resolution of the result's precision, so they round to the same bits (tests/test_quantize.py)."""
+    if getattr(model, "quantization", None) is not None and device.type == "cpu":
+        return torch.float64
+    return param_dtype
 
 
 def scheme_name(quantization: dict) -> str:
@@ -429,13 +429,22 @@ def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
             activations=activations))  # fmt: skip
     except ValueError as e:
         raise CheckpointError(f"{where}: bad quantization_config ({e})") from None
-    _set_quantization(model, quantization_info(bits, group, activations))
+    model.quantization = quantization_info(bits, group, activations)
+
+
+ALIGN = 64  # bytes; torch's bf16 int8 kernel segfaults on codes at other offsets (seen: 40, from safetensors)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 def hold_scales(model: nn.Module) -> None:
-    """After model.to(dtype): keep scales and zero points at the precision they were saved in."""
+    """After loading and model.to(dtype): keep scales and zero points at the precision they were saved
+    in, and codes at aligned addresses (a safetensors file places tensors at any offset)."""
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
+            m.codes = _aligned(m.codes)
             m.scales = m.scales.to(HELD_DTYPE)
             if m.zeros is not None:
                 m.zeros = m.zeros.to(HELD_DTYPE)
