@@ -121,3 +121,22 @@ def test_llamacpp_eagle3_matches_our_greedy_and_counts_drafts(bundled):
         method.server.stop()
     assert run.outputs == ours
     assert run.stats.drafts > 0 and run.stats.draft_tokens >= run.stats.accepted
+
+
+@needs_build
+def test_llamacpp_int4_peer_runs_llama_quantize_q4_0(bundled):
+    """--quantize int4's peer: llama.cpp's q4_0 of the same target, written by its own llama-quantize."""
+    from eaglespec.sampling import SamplingParams
+
+    _, stop_ids, prompts, _ = bundled
+    (method,) = llamacpp.llamacpp_methods(["llamacpp_plain"], TARGET, [], stop_ids, threads=threads(),
+                                          quantize="int4")  # fmt: skip
+    try:
+        run = method.run(prompts[:1], 8, SamplingParams(0.0, 1.0, 0, 0), 1)
+    finally:
+        method.server.stop()
+    assert method.settings["outtype"] == "q4_0" and "no: q4_0" in method.settings["lossless_check"]
+    assert len(run.outputs[0]) > 0
+    gguf = Path(method.settings["gguf"])
+    f32 = gguf.with_name(gguf.name.replace("-q4_0.gguf", ".gguf"))
+    assert gguf.stat().st_size < 0.4 * f32.stat().st_size  # 4.5 bits per weight in the layers, vs 32

@@ -11,7 +11,8 @@ JOBS="${JOBS:-2}"
 # llama-server: the peer drives it over localhost HTTP because /completion takes token ids and returns
 # token ids plus llama.cpp's own timings and draft counts (plain and --spec-type draft-eagle3 alike).
 # llama-speculative-simple: the same EAGLE-3 path from the command line, for manual cross-checks.
-TARGETS=(llama-server llama-speculative-simple)
+# llama-quantize: q4_0 GGUFs for the int4 peer (the HF converter writes f32/bf16/f16/q8_0 only).
+TARGETS=(llama-server llama-speculative-simple llama-quantize)
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 all_built() {

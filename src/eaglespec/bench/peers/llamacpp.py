@@ -235,8 +235,15 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     source_dir: what the converter reads (default target_dir; --shape targets need a tokenizer added);
     not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties).
     quantize: our target's --quantize; int8 and w8a8 run llama.cpp on q8_0 weights (its nearest format:
-    its CPU dot products also round activations to 8 bits, per block of 32)."""
-    from .llamacpp_convert import UnsupportedDrafter, check_drafter_supported, convert_drafter, convert_target
+    its CPU dot products also round activations to 8 bits, per block of 32), int4 on q4_0 (blocks of 32
+    4-bit weights with one scale, written by llama-quantize)."""
+    from .llamacpp_convert import (
+        UnsupportedDrafter,
+        check_drafter_supported,
+        convert_drafter,
+        convert_target,
+        quantize_gguf,
+    )
 
     if not kinds:
         return []
@@ -248,12 +255,20 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     if dtype not in OUTTYPE:
         raise ValueError(f"llama.cpp peer: no GGUF type for dtype {dtype!r} (choose from {', '.join(OUTTYPE)})")
     outtype = kv = OUTTYPE[dtype]
+    requantize = None
     if quantize in ("int8", "w8a8"):
         outtype, not_lossless = "q8_0", not_lossless or "q8_0 (blocks of 32) quantizes unlike our int8 per channel"
+    elif quantize == "int4":
+        requantize, not_lossless = "q4_0", not_lossless or "q4_0 (blocks of 32) quantizes unlike our int4 groups"
     elif quantize not in (None, "none"):
-        raise ValueError(f"llama.cpp peer: no GGUF conversion for --quantize {quantize} here (int8 and w8a8 -> "
-                         "q8_0 only; q4_0 needs llama-quantize)")  # fmt: skip
+        raise ValueError(f"llama.cpp peer: no GGUF type for --quantize {quantize} (int8/w8a8 -> q8_0, int4 -> q4_0)")
     target_gguf = convert_target(root, source_dir or target_dir, outtype)
+    if requantize:
+        try:
+            target_gguf, outtype = quantize_gguf(root, target_gguf, requantize), requantize
+        except (FileNotFoundError, RuntimeError) as e:
+            print(f"[bench] skipping {', '.join(kinds)}: {e}", file=sys.stderr)
+            return []
     usable = []
     if "llamacpp_eagle3" in kinds:
         for label, path in drafters:

@@ -49,6 +49,27 @@ def cached_path(root: Path, model_dir: Path, outtype: str, extra: list) -> Path:
     return root / "gguf" / f"{model_dir.name}-{outtype}-{digest}.gguf"
 
 
+QUANTIZER = "llama-quantize"
+
+
+def quantize_gguf(root: Path, source: Path, qtype: str) -> Path:
+    """A GGUF re-quantized by llama.cpp's own llama-quantize (e.g. q4_0 from f32), cached beside the source."""
+    tool = Path(root) / "build" / "bin" / QUANTIZER
+    if not tool.is_file():
+        raise FileNotFoundError(f"{tool} is missing: rerun scripts/llamacpp/build.sh (it builds {QUANTIZER})")
+    out = source.with_name(source.name.replace(".gguf", f"-{qtype}.gguf"))
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run([str(tool), str(source), str(tmp), qtype.upper()], capture_output=True, text=True)
+    if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"{QUANTIZER} {qtype} failed for {source} (exit {proc.returncode}):\n{tail}")
+    tmp.replace(out)
+    return out
+
+
 def run_converter(root: Path, model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
