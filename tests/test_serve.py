@@ -104,6 +104,23 @@ def test_completions_greedy_equal_transformers(server, hf_greedy):
     assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] > 1.0  # the drafter really accepts
 
 
+def test_quantized_target_serves_its_own_plain_greedy_output():
+    """`serve --quantize w8a8`: speculative responses equal the quantized target's plain greedy decoding."""
+    from eaglespec.api import generate, load_engine
+
+    plain = load_engine(MODELS / "target", None, mode="off", dtype="fp32", quantize="w8a8")
+    s = Server(quantize="w8a8")
+    try:
+        resp = s.client.completions.create(model="target", prompt=PROMPTS, max_tokens=24, temperature=0)
+    finally:
+        s.stop()
+    for prompt, choice in zip(PROMPTS, resp.choices):
+        ids = plain.tokenizer.encode(prompt, add_special_tokens=False)
+        want = generate(plain, [ids], max_new_tokens=24).results[0].output_ids
+        assert choice.text == plain.tokenizer.decode(want, skip_special_tokens=True)
+    assert resp.model_extra["spec_decode"]["mean_acceptance_length"] > 1.0
+
+
 def test_token_id_prompts_and_stream_equal_non_stream(server):
     ids = server.client.completions.create(model="target", prompt="The history of the city", max_tokens=1,
                                            temperature=0).usage.prompt_tokens  # fmt: skip

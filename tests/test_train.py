@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -325,6 +326,27 @@ def test_drafter_fine_tunes_against_a_saved_quantized_target(learn, tmp_path):
     assert isinstance(trainer.target.model.layers[0].mlp.up_proj, QuantizedLinear)
     trainer.train()
     assert trainer.evaluate()["tau"] >= 1.5
+
+
+def test_train_quantize_flag_trains_against_the_quantized_target(learn, tmp_path):
+    """`eaglespec train --quantize w8a8` (no saved copy needed): the target is quantized at load, the
+    features the drafter learns from are the quantized target's, and the flag is fixed on --resume."""
+    from eaglespec.models.checkpoint import load_target
+    from eaglespec.models.quantize import QuantizedLinear, apply_quantize
+
+    target, tdir, _, _ = learn
+    qtarget = apply_quantize(load_target(tdir), "w8a8")
+    data = write_data(tmp_path / "data", generated_samples(qtarget, 160), tdir)
+    cfg = _cfg(learn, tmp_path / "run", data=data, steps=60, quantize="w8a8", save_every=30)
+    trainer = Trainer(cfg, progress=False)
+    layer = trainer.target.model.layers[0].mlp.up_proj
+    assert isinstance(layer, QuantizedLinear) and layer.activations == "int8"
+    trainer.train()
+    assert trainer.evaluate()["tau"] >= 1.5
+    card = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["eaglespec_training"]
+    assert card["quantize"] == "w8a8"
+    with pytest.raises(ValueError, match="quantize"):
+        Trainer(_cfg(learn, tmp_path / "run", data=data, steps=60, resume=True), progress=False).train()
 
 
 def test_long_context_options_window_crop_and_warm_start(learn, tmp_path):

@@ -39,16 +39,12 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     from .models.checkpoint import read_config
     from .models.fast_linear import prepare_for_inference
     from .models.precision import MAX_TREE_PLAIN_GAP, choose_dtype, tree_plain_gap
-    from .models.quantize import DEFAULT_GROUP, parse_quantize, quantize_target
+    from .models.quantize import apply_quantize, parse_quantize
 
-    scheme = parse_quantize(quantize)  # bad input fails before anything loads
+    parse_quantize(quantize)  # bad input fails before anything loads
 
     def load(name: str):
-        tgt = load_target(target, device=device, dtype=name)
-        if scheme is not None:
-            bits, activations = scheme
-            quantize_target(tgt, bits, DEFAULT_GROUP if quantize_group is None else quantize_group, activations)
-        return tgt
+        return apply_quantize(load_target(target, device=device, dtype=name), quantize, quantize_group)
 
     raw = read_config(target)
     dims = {"hidden": raw.get("hidden_size", 1024), "intermediate": raw.get("intermediate_size", 4096),

@@ -351,6 +351,14 @@ def attention_dtype(model: nn.Module, param_dtype: torch.dtype, device: torch.de
     return param_dtype
 
 
+def apply_quantize(target: nn.Module, name: str | None, group: int | None = None) -> nn.Module:
+    """`--quantize NAME [--quantize-group G]` on a loaded target (no-op for None / 'none')."""
+    scheme = parse_quantize(name)
+    if scheme is not None:
+        quantize_target(target, scheme[0], DEFAULT_GROUP if group is None else group, scheme[1])
+    return target
+
+
 def scheme_name(quantization: dict) -> str:
     """'int8', 'w8a8' or 'int4 g128' for a model's `quantization`."""
     if quantization.get("activations"):

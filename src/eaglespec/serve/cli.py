@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on shutdown (SIGINT/SIGTERM)")
     p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
+                   help="quantize the target's decoder layers at load (README: Quantized targets); speculative "
+                        "output equals the quantized target's own")  # fmt: skip
+    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -60,8 +64,12 @@ def build_server(args):
     engine = load_engine(target, draft if args.mode != "off" else None, mode=args.mode, device=args.device,
                          dtype=args.dtype, adaptive=not args.no_adaptive,
                          draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window,
-                         compile=args.compile)  # fmt: skip
+                         compile=args.compile, quantize=args.quantize, quantize_group=args.quantize_group)  # fmt: skip
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
+    if getattr(engine.target, "quantization", None) is not None:
+        from ..models.quantize import scheme_name
+
+        print(f"[eaglespec] target quantized: {scheme_name(engine.target.quantization)}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")
     name = args.served_model_name or Path(target).resolve().name

@@ -133,6 +133,9 @@ class Policy:
         self.judge_after, self.probe_every, self.ema = judge_after, probe_every, alpha
         # tokens/s of plain steps: from calibration when there is one, refreshed by measured plain steps
         self.plain_rate = costs.batch / costs.verify_cost(1) if costs is not None else None
+        # the calibrated rate is taken at a fixed context (spec/costs.py), often longer than the one being
+        # decoded, where plain steps are cheaper: speculation is judged against measured plain steps
+        self.plain_measured = False
         self.batch = costs.batch if costs is not None else None
         self.rates: dict[int, float | None] = {w: None for w in self.widths}  # measured, per width
         self.tries: dict[int, int] = {w: 0 for w in self.widths}
@@ -157,8 +160,8 @@ class Policy:
         if self.adaptive:
             if self.plain_left > 0:
                 return None
-            if self.plain_rate is None and self.streak >= self.judge_after:
-                self.plain_left = 2  # no plain rate yet: measure it
+            if not self.plain_measured and self.streak >= self.judge_after:
+                self.plain_left = 2  # no measured plain rate yet: measure it
                 return None
         self.width = self._pick_width()
         return StepPlan(self.width, self.max_depth)
@@ -257,6 +260,7 @@ class Policy:
                 self.overhead_plain = (1 - self.ema) * self.overhead_plain + self.ema * extra
         if not speculated:
             self.plain_steps += 1
+            self.plain_measured = True
             fresh = self.plain_rate is None or self.streak > 0
             self.plain_rate = rate if fresh else (1 - self.ema) * self.plain_rate + self.ema * rate
             self.plain_left = max(0, self.plain_left - 1)
@@ -270,7 +274,7 @@ class Policy:
         if shape is not None:
             self.chosen.append(shape)
         self.streak += 1
-        if not self.adaptive or self.streak < self.judge_after or self.plain_rate is None:
+        if not self.adaptive or self.streak < self.judge_after or not self.plain_measured:
             return
         best = max((r for r in self.rates.values() if r is not None), default=0.0)
         if best < self.plain_rate:

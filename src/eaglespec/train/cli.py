@@ -26,6 +26,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N input lines")
     p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, "
                    "I+N, ... (run every part, e.g. one per machine, on a shared filesystem)")  # fmt: skip
+    _add_quantize(p, "the replies are the quantized target's")
     p.set_defaults(func=cmd_regen)
 
     p = dsub.add_parser("vocab", help="choose the draft vocabulary (d2t/t2d) and report its coverage")
@@ -42,6 +43,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, I+N, ...")
     p.add_argument("--batch-size", type=int, default=8)
+    _add_quantize(p, "the cached states are the quantized target's")
     p.set_defaults(func=cmd_states)
 
     p = sub.add_parser("train", help="train an EAGLE-3.1 / EAGLE-3 drafter with training-time test")
@@ -69,7 +71,15 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
+    _add_quantize(p, "the drafter learns the quantized target's states and outputs (fine-tune one for a quantized "
+                     "target with --init-from)")  # fmt: skip
     p.set_defaults(func=cmd_train)
+
+
+def _add_quantize(p, effect: str) -> None:
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default=None,
+                   help=f"quantize the target at load as `eaglespec generate --quantize` does; {effect}")
+    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
 
 
 def _default_target(args) -> None:
@@ -88,7 +98,7 @@ def cmd_regen(args) -> int:
     stats = regen(args.input, args.out, target=args.target, draft=args.draft, temperature=args.temperature,
                   top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
                   batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit,
-                  part=parse_part(args.part))  # fmt: skip
+                  part=parse_part(args.part), quantize=args.quantize, quantize_group=args.quantize_group)  # fmt: skip
     print(f"[eaglespec data regen] {json.dumps(stats)} -> {args.out}")
     return 0
 
@@ -118,7 +128,7 @@ def cmd_states(args) -> int:
     from .states import build_states
 
     res = build_states(args.data, args.out, target=args.target, topk=args.topk, batch_size=args.batch_size,
-                       part=parse_part(args.part))
+                       part=parse_part(args.part), quantize=args.quantize, quantize_group=args.quantize_group)
     mib = res["bytes"] / 2**20
     print(f"[eaglespec data states] {res['shards_written']} shard(s), about {mib:.1f} MiB -> {args.out}")
     return 0

@@ -157,7 +157,8 @@ def _regenerate_chunk(engine, items: list[dict], params, *, max_new_tokens: int,
 
 
 def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0, seed=0, max_new_tokens=256,
-          max_len=2048, batch_size=16, shard_size=256, limit=None, progress=True, part=(0, 1)) -> dict:  # fmt: skip
+          max_len=2048, batch_size=16, shard_size=256, limit=None, progress=True, part=(0, 1), quantize=None,
+          quantize_group=None) -> dict:  # fmt: skip
     """Write `out_dir` (manifest + shards). Resumes: shards already written are kept and skipped.
     part (I, N): write only shards I, I + N, ... so N machines sharing `out_dir` split the work; the
     manifest says complete once every shard exists (rerun any part to refresh it)."""
@@ -172,7 +173,9 @@ def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0
     fingerprint = target_fingerprint(target)
     settings = {"input": str(input_path), "num_inputs": len(items), "shard_size": shard_size,
                 "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": max_new_tokens,
-                "max_len": max_len, "target": str(target), "target_fingerprint": fingerprint}  # fmt: skip
+                "max_len": max_len, "target": str(target), "target_fingerprint": fingerprint,
+                "quantize": None if quantize in (None, "none") else quantize,
+                "quantize_group": quantize_group if quantize == "int4" else None}  # fmt: skip
     num_shards = -(-len(items) // shard_size)
     if (out / "manifest.json").is_file():
         old = read_manifest(out)
@@ -183,7 +186,8 @@ def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0
                 "use a new output directory or delete it"
             )
     write_json_atomic({**settings, "num_shards": num_shards, "complete": False}, out / "manifest.json")
-    engine = load_engine(target, draft, mode="tree" if draft else "off")
+    engine = load_engine(target, draft, mode="tree" if draft else "off", quantize=quantize,
+                         quantize_group=quantize_group)  # fmt: skip
     if engine.tokenizer is None:
         raise DataError(f"target {target} has no tokenizer; regen needs one to render and decode text")
     todo = [i for i in range(num_shards) if i % part[1] == part[0] and not shard_path(out, i).is_file()]

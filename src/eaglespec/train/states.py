@@ -31,7 +31,8 @@ def estimate_bytes(num_tokens: int, aux_width: int, topk: int) -> int:
     return num_tokens * (aux_width * 2 + topk * (2 + 4))
 
 
-def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=True, part=(0, 1)) -> dict:
+def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=True, part=(0, 1),
+                 quantize: str | None = None, quantize_group: int | None = None) -> dict:  # fmt: skip
     """Cache aux states and top-k target probabilities per data shard; part (I, N): shards I, I + N, ...
     only, so N machines sharing `out_dir` split the work (each shard is its own file)."""
     from safetensors.torch import save_file
@@ -45,7 +46,9 @@ def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=T
 
     if man.get("target_fingerprint") not in (None, target_fingerprint(target)):
         raise DataError(f"{data_dir} was generated for another target; regenerate it with {target}")
-    tgt = load_target(target)
+    from ..models.quantize import apply_quantize
+
+    tgt = apply_quantize(load_target(target), quantize, quantize_group)
     aux_width = tgt.cfg.hidden_size * len(tgt.aux_layers)
     if not 1 <= topk <= tgt.cfg.vocab_size:
         raise ValueError(f"topk must be in [1, {tgt.cfg.vocab_size}], got {topk}")
@@ -58,7 +61,7 @@ def build_states(data_dir, out_dir, *, target, topk=32, batch_size=8, progress=T
         gib = lambda n: f"{n / 2**30:.2f} GiB"
         raise DataError(f"the state cache needs about {gib(need)} but {out} has {gib(free)} free; "
                         "free space, lower --topk, or train online (without --states)")  # fmt: skip
-    write_json_atomic({"data": str(data_dir), "topk": topk, "aux_layers": list(tgt.aux_layers),
+    write_json_atomic({"data": str(data_dir), "topk": topk, "aux_layers": list(tgt.aux_layers), "quantize": quantize,
                        "aux_width": aux_width, "num_shards": man["num_shards"],
                        "estimated_bytes": need}, out / "states.json")  # fmt: skip
     bar = tqdm(total=sum(len(v) for v in shards.values()), unit="sample", disable=not progress, desc="states")

@@ -43,7 +43,7 @@ from .ttt import (
 # settings that must not change when a run is resumed
 _FIXED_ON_RESUME = ("data", "states", "depth", "decay", "fc_norm", "norm_output", "draft_vocab_size", "batch_size",
                     "steps", "epochs", "lr", "min_lr_frac", "warmup_steps", "seed", "max_len", "val_fraction",
-                    "draft_window", "draft_context", "init_from")
+                    "draft_window", "draft_context", "init_from", "quantize", "quantize_group")
 
 
 @dataclass
@@ -89,6 +89,8 @@ class TrainConfig:
     draft_window: int | None = None  # the drafter's own attention window (draft_attention_window)
     draft_context: int | None = None  # the drafter trains on each sample's last N tokens (features: whole sample)
     init_from: str | None = None  # warm start from this drafter directory (its switches and vocabulary)
+    quantize: str | None = None  # the target quantized at load (int8 / int4 / w8a8): train against it
+    quantize_group: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -209,7 +211,10 @@ class Trainer:
         gpu = f"cuda:{self.rank % max(1, torch.cuda.device_count())}"
         self.device = torch.device(gpu if cfg.device == "cuda" else cfg.device)
         self.out = Path(cfg.out)
-        self.target = load_target(cfg.target, device=str(self.device)).requires_grad_(False).eval()
+        from ..models.quantize import apply_quantize
+
+        target = load_target(cfg.target, device=str(self.device))
+        self.target = apply_quantize(target, cfg.quantize, cfg.quantize_group).requires_grad_(False).eval()
         samples = load_samples(cfg.data, target_fingerprint=target_fingerprint(cfg.target))
         if not samples:
             raise DataError(f"{cfg.data} holds no samples")
@@ -301,8 +306,9 @@ class Trainer:
 
     def _card(self) -> dict:
         c = self.cfg
-        return {"target": str(c.target), "data": str(c.data), "depth": c.depth, "steps": self.step,
-                "batch_size": c.batch_size, "lr": c.lr, "vocab_coverage": round(self.vocab_report["coverage"], 4)}
+        return {"target": str(c.target), "quantize": c.quantize, "data": str(c.data), "depth": c.depth,
+                "steps": self.step, "batch_size": c.batch_size, "lr": c.lr,
+                "vocab_coverage": round(self.vocab_report["coverage"], 4)}
 
     # -- data ------------------------------------------------------------------------------------
     def _features(self, idx: list[int]) -> tuple[Batch, torch.Tensor, object]:
