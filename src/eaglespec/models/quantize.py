@@ -56,6 +56,7 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
 # partial sum is an integer below 2**24), at dense fp32 speed and with an fp32 copy of the codes
 INT8_KERNELS = ("onednn", "int_mm", "fp32")
 EXACT_FP32_K = 1024  # 1024 * 127 * 127 < 2**24
+STREAMED_BYTES = 64 * 2**20  # kernel timing streams at least this much weight (beyond a CPU's last-level cache)
 
 
 def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
@@ -115,21 +116,24 @@ def _exact_int8_kernels() -> tuple[str, ...]:
 
 @functools.cache
 def _fastest_int8_kernel(shape: tuple[int, int]) -> str | None:
-    """Of the exact kernels, the faster here for an [out, in] weight (a one-row plus a 17-row call): oneDNN
-    is faster on large weights and many rows, int_mm's per-call cost is lower on small ones."""
+    """Of the exact kernels, the faster here for an [out, in] weight (1-, 4- and 17-row calls): measured on
+    a 2-vCPU EPYC, oneDNN is faster on large weights and many rows, int_mm on small ones (BENCHMARKS §12)."""
     from ..machine import best_seconds
 
     names = _exact_int8_kernels()
     if len(names) < 2:
         return names[0] if names else "fp32"
     g = torch.Generator().manual_seed(0)
-    w = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-    xs = [torch.randint(0, 256, (m, shape[1]), generator=g, dtype=torch.uint8) for m in (1, 17)]
+    # distinct copies of the weight, as a model's layers are, so a large weight streams from memory as
+    # it does in decoding (one copy would be timed from cache and favour the wrong kernel)
+    copies = max(1, min(24, -(-STREAMED_BYTES // (shape[0] * shape[1]))))
+    ws = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(copies)]
+    xs = [torch.randint(0, 256, (m, shape[1]), generator=g, dtype=torch.uint8) for m in (1, 4, 17)]
     cost = {}
     for name in names:
-        run = _int8_matmul(name, w, torch.ones(shape[0]))
+        runs = [_int8_matmul(name, w, torch.ones(shape[0])) for w in ws]
         rows = [_rows_for(name, x) for x in xs]
-        cost[name] = best_seconds(lambda run=run, rows=rows: [run(r) for r in rows], 15)
+        cost[name] = best_seconds(lambda runs=runs, rows=rows: [run(r) for run in runs for r in rows], 5)
     return min(cost, key=cost.get)
 
 
