@@ -63,6 +63,9 @@ def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_
     offset, scale = quantize_rows(x.reshape(-1, 256))
     codes = offset.int() - 128
     assert offset.dtype == torch.uint8 and codes.abs().max() == 127 and codes.min() >= -127
+    for fmt, dtype in (("s8", torch.int8), ("f32", torch.float32)):  # the other kernels' formats: same codes
+        other, same_scale = quantize_rows(x.reshape(-1, 256), fmt)
+        assert other.dtype == dtype and torch.equal(other.int(), codes) and torch.equal(same_scale, scale)
     err = (codes.float() * scale - x.reshape(-1, 256)).abs()
     assert (err <= 0.5 * scale * 1.0001).all()  # at most half a step per activation
     # reference in float64: exact integer sums, then the two scales

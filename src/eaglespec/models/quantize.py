@@ -81,7 +81,11 @@ def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
     return chunked
 
 
+ROW_FORMAT = {"onednn": "u8", "int_mm": "s8", "fp32": "f32"}  # how each kernel takes the rounded rows
+
+
 def _rows_for(name: str, q_u8: torch.Tensor) -> torch.Tensor:
+    """Rows in quantize_rows' u8 format (codes + 128) -> the format kernel `name` takes."""
     if name == "onednn":
         return q_u8
     return (q_u8.to(torch.int16) - 128).to(torch.int8) if name == "int_mm" else q_u8.float() - 128
@@ -137,12 +141,18 @@ def _fastest_int8_kernel(shape: tuple[int, int]) -> str | None:
     return min(cost, key=cost.get)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row symmetric int8, offset to u8: (codes + 128 as uint8 [m, k], scale fp32 [m, 1]) with
-    x ~ codes * scale, codes in [-127, 127] = round(x * 127 / amax) (vLLM's scaled_int8_quant rounds the
-    same way). Each row's codes depend on that row only."""
-    amax = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)
-    return torch.round(x * (127 / amax)).add_(128).to(torch.uint8), amax / 127
+def quantize_rows(x: torch.Tensor, fmt: str = "u8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8: (codes [m, k], scale fp32 [m, 1]) with x ~ codes * scale, codes in
+    [-127, 127] = round(x * 127 / amax) (vLLM's scaled_int8_quant rounds the same way), returned as
+    fmt "u8" (codes + 128, uint8), "s8" (int8) or "f32" (float). Each row's codes depend on that row only."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+    codes = torch.round(xf * (127 / amax))
+    if fmt == "u8":
+        codes = codes.add_(128).to(torch.uint8)
+    elif fmt == "s8":
+        codes = codes.to(torch.int8)
+    return codes, amax / 127
 
 
 class QuantizedLinear(nn.Module):
@@ -258,9 +268,11 @@ class QuantizedLinear(nn.Module):
                 name = _fastest_int8_kernel((self.out_features, self.in_features))
                 matmul = _int8_matmul(name, self.codes, self.scales.float())
 
+                fmt = ROW_FORMAT[name]
+
                 def kernel(x):  # fp32 out: the bias is added before rounding to x's precision
-                    q, scale = quantize_rows(x)
-                    return matmul(_rows_for(name, q)) * scale
+                    q, scale = quantize_rows(x, fmt)
+                    return matmul(q) * scale
             elif self.bits == 8:
                 codes, scales = _aligned(self.codes), self.scales.to(dtype)
                 kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
