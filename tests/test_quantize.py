@@ -223,8 +223,30 @@ def test_cli_generate_with_quantized_target(tmp_path, capsys):
     assert rc == 2 and "does not divide" in capsys.readouterr().err
 
 
-def test_sampling_preserves_the_quantized_target_distribution(tmp_path):
-    """Chi-square against an oracle we did not write: transformers running the dequantized weights."""
+def round_like_ours(model, w8a8: bool) -> None:
+    """Hooks on a transformers model's decoder linears so they see inputs rounded as our quantized layers
+    round theirs: per token to int8 steps of amax / 127 (W8A8, as vLLM's scaled_int8_quant), or to bf16
+    in and out (weight-only W8A16 / W4A16)."""
+
+    def round_per_token(module, args):
+        x = args[0]
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+        return (torch.round(x / scale).clamp(-127, 127) * scale,)
+
+    def to_bf16(module, args, out=None):
+        return (args[0].bfloat16().float(),) if out is None else out.bfloat16().float()
+
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and name.endswith("proj"):
+            module.register_forward_pre_hook(round_per_token if w8a8 else to_bf16)
+            if not w8a8:
+                module.register_forward_hook(to_bf16)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_sampling_preserves_the_quantized_target_distribution(tmp_path, scheme):
+    """Chi-square against an oracle we did not write: transformers running the dequantized weights on
+    inputs rounded as ours are."""
     import copy
 
     from eaglespec.models.checkpoint import load_target
@@ -233,8 +255,10 @@ def test_sampling_preserves_the_quantized_target_distribution(tmp_path):
     from test_sampling_lossless import PROMPT, V, _chi2, _exact
 
     hf = hf_tiny("llama", vocab=V, hidden=32, layers=3, heads=4, kv_heads=2, init_range=0.08, seed=4)
-    target = quantize_target(load_target(save_hf(hf, tmp_path / "m")), 4, 32)
+    bits, activations = SCHEMES[scheme]
+    target = quantize_target(load_target(save_hf(hf, tmp_path / "m")), bits, 32, activations)
     oracle = copy.deepcopy(hf)
+    round_like_ours(oracle, w8a8=activations is not None)
     with torch.no_grad():
         for ours, theirs in zip(target.model.layers, oracle.model.layers):
             for part in ("self_attn", "mlp"):
@@ -359,19 +383,7 @@ def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_it
     assert torch.equal(layer.dequantized_weight(), dense["model.layers.1.mlp.down_proj.weight"])
     oracle = hf_tiny("llama", seed=5)
     oracle.load_state_dict({**oracle.state_dict(), **dense})
-    def round_per_token(module, args):  # W8A8: int8 steps per token
-        x = args[0]
-        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
-        return (torch.round(x / scale).clamp(-127, 127) * scale,)
-
-    def to_bf16(module, args, out=None):  # W8A16 / W4A16: bf16 activations in and out
-        return (args[0].bfloat16().float(),) if out is None else out.bfloat16().float()
-
-    for name, module in oracle.named_modules():
-        if name.startswith("model.layers.") and name.endswith("proj"):
-            module.register_forward_pre_hook(round_per_token if w8a8 else to_bf16)
-            if not w8a8:
-                module.register_forward_hook(to_bf16)
+    round_like_ours(oracle, w8a8)
     prompt = _prompts(1, seed=44)[0]
     ours = Engine(target).generate([Request(prompt, N_NEW)]).results[0].output_ids
     with torch.no_grad():
