@@ -9,7 +9,8 @@
 Kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`): weight-only layers run torch's
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on bf16 activations (with fp32 activations they are
 4-20x slower than dense fp32; with bf16 a one-row call is several times faster than dense fp32, but the
-cost grows ~linearly with rows). W8A8 runs the fastest exact int8 kernel for the weight's shape here
+cost grows ~linearly with rows). W8A8 runs the fastest exact int8 kernel for the weight's shape and
+the call's row count (one row, or more) here
 (oneDNN's prepacked u8s8 linear, torch._int_mm, or a chunked fp32 GEMM that is exact on any CPU:
 `_exact_int8_kernels` checks exactness with extreme codes, since CPUs without VNNI/AMX saturate pairs of
 u8 x s8 products in int16); its cost stays nearly flat from 1 to 17 rows. Off CPU the weight is
@@ -119,26 +120,29 @@ def _exact_int8_kernels() -> tuple[str, ...]:
 
 
 @functools.cache
-def _fastest_int8_kernel(shape: tuple[int, int]) -> str | None:
-    """Of the exact kernels, the faster here for an [out, in] weight (1-, 4- and 17-row calls): measured on
-    a 2-vCPU EPYC, oneDNN is faster on large weights and many rows, int_mm on small ones (BENCHMARKS §12)."""
+def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
+    """Of the exact kernels, the fastest here for an [out, in] weight for one-row calls (plain steps) and
+    for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
+    steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
+    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
     from ..machine import best_seconds
 
-    names = _exact_int8_kernels()
+    names = _exact_int8_kernels() or ("fp32",)
     if len(names) < 2:
-        return names[0] if names else "fp32"
+        return names[0], names[0]
     g = torch.Generator().manual_seed(0)
     # distinct copies of the weight, as a model's layers are, so a large weight streams from memory as
     # it does in decoding (one copy would be timed from cache and favour the wrong kernel)
     copies = max(1, min(24, -(-STREAMED_BYTES // (shape[0] * shape[1]))))
     ws = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(copies)]
     xs = [torch.randint(0, 256, (m, shape[1]), generator=g, dtype=torch.uint8) for m in (1, 4, 17)]
-    cost = {}
+    one, many = {}, {}
     for name in names:
         runs = [_int8_matmul(name, w, torch.ones(shape[0])) for w in ws]
         rows = [_rows_for(name, x) for x in xs]
-        cost[name] = best_seconds(lambda runs=runs, rows=rows: [run(r) for run in runs for r in rows], 5)
-    return min(cost, key=cost.get)
+        one[name] = best_seconds(lambda runs=runs, r=rows[0]: [run(r) for run in runs], 5)
+        many[name] = best_seconds(lambda runs=runs, rows=rows[1:]: [run(r) for run in runs for r in rows], 5)
+    return min(one, key=one.get), min(many, key=many.get)
 
 
 def quantize_rows(x: torch.Tensor, fmt: str = "u8") -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,14 +269,14 @@ class QuantizedLinear(nn.Module):
         kernel = self._kernels.get(dtype)
         if kernel is None:
             if self.activations == "int8":
-                name = _fastest_int8_kernel((self.out_features, self.in_features))
-                matmul = _int8_matmul(name, self.codes, self.scales.float())
-
-                fmt = ROW_FORMAT[name]
+                one, many = _fastest_int8_kernels((self.out_features, self.in_features))
+                scales = self.scales.float()
+                matmuls = {name: _int8_matmul(name, self.codes, scales) for name in {one, many}}
 
                 def kernel(x):  # fp32 out: the bias is added before rounding to x's precision
-                    q, scale = quantize_rows(x, fmt)
-                    return matmul(q) * scale
+                    name = one if x.shape[0] == 1 else many
+                    q, scale = quantize_rows(x, ROW_FORMAT[name])
+                    return matmuls[name](q) * scale
             elif self.bits == 8:
                 codes, scales = _aligned(self.codes), self.scales.to(dtype)
                 kernel = lambda x: torch._weight_int8pack_mm(x, codes, scales)  # noqa: E731
