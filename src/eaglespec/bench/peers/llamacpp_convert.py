@@ -52,42 +52,43 @@ def cached_path(root: Path, model_dir: Path, outtype: str, extra: list) -> Path:
 QUANTIZER = "llama-quantize"
 
 
+def _write_with(command, out: Path, what: str) -> Path:
+    """Run command(tmp) to write `out` through a temporary file, so a failed or killed run leaves no half
+    file in the cache; kept when it is already there."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run(command(tmp), capture_output=True, text=True)
+    if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    tmp.replace(out)
+    return out
+
+
 def quantize_gguf(root: Path, source: Path, qtype: str) -> Path:
     """A GGUF re-quantized by llama.cpp's own llama-quantize (e.g. q4_0 from f32), cached beside the source."""
     tool = Path(root) / "build" / "bin" / QUANTIZER
     if not tool.is_file():
         raise FileNotFoundError(f"{tool} is missing: rerun scripts/llamacpp/build.sh (it builds {QUANTIZER})")
     out = source.with_name(source.name.replace(".gguf", f"-{qtype}.gguf"))
-    if out.is_file():
-        return out
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    proc = subprocess.run([str(tool), str(source), str(tmp), qtype.upper()], capture_output=True, text=True)
-    if proc.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise RuntimeError(f"{QUANTIZER} {qtype} failed for {source} (exit {proc.returncode}):\n{tail}")
-    tmp.replace(out)
-    return out
+    return _write_with(lambda tmp: [str(tool), str(source), str(tmp), qtype.upper()], out,
+                       f"{QUANTIZER} {qtype} for {source}")  # fmt: skip
 
 
 def run_converter(root: Path, model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    args = [str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
-    if target_dir is not None:
-        args += ["--target-model-dir", str(target_dir)]
-    cmd = [sys.executable, "-m", __name__, str(root / "src"), "--", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise RuntimeError(f"llama.cpp convert_hf_to_gguf.py failed for {model_dir} (exit {proc.returncode}):\n{tail}")
-    tmp.replace(out)
-    return out
+
+    def command(tmp: Path) -> list[str]:
+        args = [str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
+        if target_dir is not None:
+            args += ["--target-model-dir", str(target_dir)]
+        return [sys.executable, "-m", __name__, str(root / "src"), "--", *args]
+
+    return _write_with(command, out, f"llama.cpp convert_hf_to_gguf.py for {model_dir}")
 
 
 def convert_target(root, target_dir, outtype: str = "f32") -> Path:
