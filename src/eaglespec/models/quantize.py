@@ -160,11 +160,12 @@ def quantize_rows(x: torch.Tensor, fmt: str = "u8") -> tuple[torch.Tensor, torch
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequant(q).T + bias, weight-only quantized, computed in x's precision; with
-    activations="int8" (int8 weights only) x is first rounded per row to int8 (quantize_rows) and the
-    integer products are summed exactly. Buffers: `codes` (int8 [out, in]; int4: two codes per byte
-    [out, in / 2], the even column in the low nibble), `scales` (bf16 [out] or [out, in / group]) and, for
-    int4, `zeros` (bf16 [out, in / group]): the layout `eaglespec quantize` saves."""
+    """y = x @ dequant(q).T + bias, returned in x's precision. Weight-only (activations=None): on CPU x is
+    rounded to bf16 for torch's kernels (W8A16 / W4A16); with activations="int8" (int8 weights only) x is
+    rounded per row to int8 steps (quantize_rows) and the integer products are summed exactly.
+    Buffers: `codes` (int8 [out, in]; int4: two codes per byte [out, in / 2], the even column in the low
+    nibble), `scales` (bf16 [out] or [out, in / group]) and, for int4, `zeros` (bf16 [out, in / group]):
+    the layout `eaglespec quantize` saves."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int = DEFAULT_GROUP,
                  bias: bool = False, device=None, activations: str | None = None):  # fmt: skip
