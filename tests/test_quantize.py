@@ -100,6 +100,27 @@ def test_every_exact_int8_kernel_gives_the_same_bits():
             assert torch.equal(_int8_matmul(name, codes, scales)(_rows_for(name, q_u8)), want), (name, k)
 
 
+def test_int8_kernel_choice_is_cached_per_machine_and_survives_a_corrupt_cache(tmp_path, monkeypatch):
+    import json
+
+    from eaglespec.models import quantize
+
+    monkeypatch.setenv("EAGLESPEC_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "int8_kernels.json"
+    path.write_text("{not json")  # corrupt: measured again and rewritten
+    quantize._fastest_int8_kernels.cache_clear()
+    chosen = quantize._fastest_int8_kernels((48, 64))
+    names = quantize._exact_int8_kernels()
+    assert all(c in names for c in chosen)
+    if len(names) > 1:  # one exact kernel needs no timing and no cache
+        (entry,) = json.loads(path.read_text()).items()
+        assert entry[0].endswith("|48x64") and tuple(entry[1]) == chosen
+        path.write_text(json.dumps({entry[0]: ["fp32", "fp32"]}))  # a cached choice is used as it is
+        quantize._fastest_int8_kernels.cache_clear()
+        assert quantize._fastest_int8_kernels((48, 64)) == ("fp32", "fp32")
+    quantize._fastest_int8_kernels.cache_clear()
+
+
 def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():
     from eaglespec.models.quantize import FusedQuantized
 

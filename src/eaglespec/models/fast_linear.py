@@ -150,10 +150,17 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
                 m._gate_up = _fuse([m.gate_proj, m.up_proj])
             if m._gate_up is not None:
                 fused_members |= {id(m.gate_proj), id(m.up_proj)}
+    dtype = next(model.parameters()).dtype  # the activations' precision
+    for m in list(model.modules()):
+        for fused in (getattr(m, "_qkv", None), getattr(m, "_gate_up", None)):
+            if isinstance(fused, FusedQuantized):
+                fused.layer.prepare(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in fused_members:
                 continue  # computed by the fused matmul; no packed copy needed
+            if isinstance(child, QuantizedLinear):
+                child.prepare(dtype)
             if type(child) is nn.Linear and packing_available(child.weight):
                 setattr(parent, name, PackedLinear(child))
             elif isinstance(child, PackedLinear) and child.fast.weight.data_ptr() != child.weight.data_ptr():

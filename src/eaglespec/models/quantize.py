@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -125,11 +126,21 @@ def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
     for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
     steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
     weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
-    from ..machine import best_seconds
+    from ..machine import best_seconds, cache_dir, cpu_name
 
     names = _exact_int8_kernels() or ("fp32",)
     if len(names) < 2:
         return names[0], names[0]
+    # cached on disk per machine: timing a 365M model's four shapes takes seconds at every start
+    path = cache_dir() / "int8_kernels.json"
+    key = f"{cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|{','.join(names)}|{shape[0]}x{shape[1]}"
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        hit = cached.get(key) if isinstance(cached, dict) else None
+    except (OSError, ValueError):
+        cached, hit = {}, None  # unreadable: measure again and rewrite
+    if isinstance(hit, list) and len(hit) == 2 and all(h in names for h in hit):
+        return hit[0], hit[1]
     g = torch.Generator().manual_seed(0)
     # distinct copies of the weight, as a model's layers are, so a large weight streams from memory as
     # it does in decoding (one copy would be timed from cache and favour the wrong kernel)
@@ -142,7 +153,15 @@ def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
         rows = [_rows_for(name, x) for x in xs]
         one[name] = best_seconds(lambda runs=runs, r=rows[0]: [run(r) for run in runs], 5)
         many[name] = best_seconds(lambda runs=runs, rows=rows[1:]: [run(r) for run in runs for r in rows], 5)
-    return min(one, key=one.get), min(many, key=many.get)
+    chosen = (min(one, key=one.get), min(many, key=many.get))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: list(chosen)}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs the timing next time
+    return chosen
 
 
 def quantize_rows(x: torch.Tensor, fmt: str = "u8") -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,13 +312,22 @@ class QuantizedLinear(nn.Module):
             self._kernels[dtype] = kernel
         return kernel
 
+    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # weight-only: bf16 activations (W8A16 / W4A16), where torch's kernels are fast; W8A8 rounds the
+        # activations as they come to int8 steps
+        return dtype if self.activations else torch.bfloat16
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Build now the CPU kernel a forward on `dtype` activations will use (kernel choice, packing),
+        so the first request does not pay for it (models/fast_linear.prepare_for_inference calls it)."""
+        if self.codes.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            self._cpu_kernel(self._compute_dtype(dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            # weight-only: bf16 activations (W8A16 / W4A16), where torch's kernels are fast; W8A8 rounds
-            # the activations as they come to int8 steps
-            compute = x.dtype if self.activations else torch.bfloat16
+            compute = self._compute_dtype(x.dtype)
             y = self._cpu_kernel(compute)(flat.to(compute))
         elif self.activations == "int8":  # other devices: the same arithmetic, dequantized (correct, not fast)
             q, scale = quantize_rows(flat)
