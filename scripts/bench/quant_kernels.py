@@ -98,7 +98,7 @@ def main() -> int:
                    "int8 _weight_int8pack_mm": lambda w, dt=dtype: int8_kernel(w, dt)}  # fmt: skip
         for group in (32, 128):
             kernels[f"int4 g{group} _weight_int4pack_mm_for_cpu"] = lambda w, dt=dtype, gr=group: int4_kernel(w, dt, gr)
-        kernels["W8A8 eaglespec (int8 rows, oneDNN u8s8)"] = lambda w, dt=dtype: w8a8_kernel(w, dt)
+        kernels["W8A8 eaglespec (int8 rows, exact int8 kernels)"] = lambda w, dt=dtype: w8a8_kernel(w, dt)
         for name, make in kernels.items():
             try:
                 built_all = [[make(w) for w in layer] for layer in copies]
