@@ -151,3 +151,29 @@ def test_cli_regen_vocab_and_train(toy, tmp_path, capsys):
                  str(tmp_path / "x")]) == 2  # fmt: skip
     assert "does not exist" in capsys.readouterr().err
     assert torch.is_tensor(load_samples(tmp_path / "d")[0].input_ids)
+
+
+def test_cli_regen_and_train_with_quantize(toy, tmp_path, capsys):
+    """`--quantize` on regen and train: the replies are the quantized target's (equal to its own plain
+    decoding), the manifest and the drafter card say so, and a resume with another scheme is refused."""
+    from eaglespec.api import generate, load_engine
+
+    src = _write(tmp_path / "in.jsonl", [{"prompt": f"line {i}", "chat": False} for i in range(4)])
+    out = tmp_path / "d"
+    assert main(["data", "regen", "--target", toy, "--input", str(src), "--out", str(out), "--max-new-tokens", "6",
+                 "--quantize", "w8a8"]) == 0  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quantize"] == "w8a8" and manifest["complete"]
+    plain = load_engine(toy, None, mode="off", quantize="w8a8")
+    first = load_samples(out)[0]
+    prompt = plain.tokenizer.encode("line 0", add_special_tokens=False)
+    want = generate(plain, [prompt], max_new_tokens=6).results[0].output_ids
+    assert first.input_ids.tolist()[len(prompt) : len(prompt) + len(want)] == want
+    assert main(["data", "regen", "--target", toy, "--input", str(src), "--out", str(out), "--max-new-tokens", "6",
+                 "--quantize", "int4"]) == 2  # fmt: skip
+    assert "quantize" in capsys.readouterr().err
+    assert main(["train", "--target", toy, "--data", str(out), "--out", str(tmp_path / "run"), "--steps", "2",
+                 "--batch-size", "2", "--depth", "2", "--eval-every", "0", "--val-fraction", "0.25",
+                 "--quantize", "w8a8", "--no-progress"]) == 0  # fmt: skip
+    card = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["eaglespec_training"]
+    assert card["quantize"] == "w8a8"
