@@ -213,6 +213,9 @@ def test_bad_quantization_requests_are_clear(tmp_path):
         parse_quantize("int3")
     assert parse_quantize("none") is None and parse_quantize("int4") == (4, None)
     assert parse_quantize("w8a8") == (8, "int8")
+    from eaglespec.cli_options import QUANTIZE_CHOICES
+
+    assert set(QUANTIZE_CHOICES) == {"none", *SCHEMES}  # every command offers exactly the schemes that exist
     with pytest.raises(ValueError, match="needs int8 weights"):
         QuantizedLinear.from_linear(_linear(32, 64), 4, 32, activations="int8")
     with pytest.raises(ValueError, match="does not divide the layer's 64 input channels"):

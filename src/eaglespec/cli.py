@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli_options import add_quantize_args
 from .machine import COMPILE_HELP
 
 
@@ -39,11 +40,7 @@ def _add_generate(sub):
                    help="auto (default): the fastest precision on this device, measured (models/precision.py)")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
-                   help="quantize the target's decoder layers at load (models/quantize.py): int8/int4 weight-only, "
-                        "w8a8 int8 weights and per-token int8 activations (fastest on CPU); speculative output "
-                        "equals the quantized target's own")
-    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
+    add_quantize_args(p, "speculative output equals the quantized target's own")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always speculate (for measurements); default: plain steps where speculation does not pay")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
@@ -197,8 +194,6 @@ def cmd_quantize(args) -> int:
     from .models.quantize import DEFAULT_GROUP, quantize_target, save_quantized, scheme_name
 
     activations = None if args.activations == "none" else args.activations
-    if activations and args.bits != 8:
-        raise SystemExit("eaglespec quantize: --activations int8 needs --bits 8 (w8a8)")
     target = load_target(args.target)
     quantize_target(target, args.bits, DEFAULT_GROUP if args.group is None else args.group, activations)
     out = save_quantized(target, args.target, args.out)

@@ -6,6 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli_options import add_quantize_args
 from ..machine import COMPILE_HELP
 
 MISMATCH_EXIT = 3  # the lossless check failed (report written); 2 = bad input, as for every command
@@ -43,10 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                    help=COMPILE_HELP)
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
-                   help="quantized target (models/quantize.py: int8/int4 weight-only, w8a8); transformers peers run "
-                        "it unquantized, llama.cpp on q8_0 for int8 and w8a8")
-    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
+    add_quantize_args(p, "transformers peers run it unquantized, llama.cpp on q8_0 (int8, w8a8) or q4_0 (int4)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
     p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
                    help="prompt tokens the drafters read at prefill, the last N (default 128; 0: the whole prompt)")

@@ -86,11 +86,17 @@ def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
 ROW_FORMAT = {"onednn": "u8", "int_mm": "s8", "fp32": "f32"}  # how each kernel takes the rounded rows
 
 
+def _as_format(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Float codes in [-127, 127] -> "u8" (codes + 128, uint8: oneDNN), "s8" (int8: int_mm) or "f32".
+    Consumes `codes` (offset in place: a fresh tensor from every caller, no extra copy per call)."""
+    if fmt == "u8":
+        return codes.add_(128).to(torch.uint8)
+    return codes.to(torch.int8) if fmt == "s8" else codes
+
+
 def _rows_for(name: str, q_u8: torch.Tensor) -> torch.Tensor:
-    """Rows in quantize_rows' u8 format (codes + 128) -> the format kernel `name` takes."""
-    if name == "onednn":
-        return q_u8
-    return (q_u8.to(torch.int16) - 128).to(torch.int8) if name == "int_mm" else q_u8.float() - 128
+    """Rows in quantize_rows' default u8 format (codes + 128) -> the format kernel `name` takes."""
+    return _as_format(q_u8.float() - 128, ROW_FORMAT[name])
 
 
 @functools.cache
@@ -170,12 +176,7 @@ def quantize_rows(x: torch.Tensor, fmt: str = "u8") -> tuple[torch.Tensor, torch
     fmt "u8" (codes + 128, uint8), "s8" (int8) or "f32" (float). Each row's codes depend on that row only."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
-    codes = torch.round(xf * (127 / amax))
-    if fmt == "u8":
-        codes = codes.add_(128).to(torch.uint8)
-    elif fmt == "s8":
-        codes = codes.to(torch.int8)
-    return codes, amax / 127
+    return _as_format(torch.round(xf * (127 / amax)), fmt), amax / 127
 
 
 class QuantizedLinear(nn.Module):

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli_options import add_quantize_args
 from ..machine import COMPILE_HELP
 
 
@@ -39,10 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on shutdown (SIGINT/SIGTERM)")
     p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
-                   help="quantize the target's decoder layers at load (README: Quantized targets); speculative "
-                        "output equals the quantized target's own")  # fmt: skip
-    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
+    add_quantize_args(p, "responses equal the quantized target's own plain output")
     p.set_defaults(func=cmd_serve)
 
 

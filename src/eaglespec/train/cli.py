@@ -6,6 +6,8 @@ import argparse
 import json
 from dataclasses import fields
 
+from ..cli_options import add_quantize_args
+
 
 def add_parsers(sub) -> None:
     data = sub.add_parser("data", help="prepare drafter training data (regen, vocab, states)")
@@ -26,7 +28,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N input lines")
     p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, "
                    "I+N, ... (run every part, e.g. one per machine, on a shared filesystem)")  # fmt: skip
-    _add_quantize(p, "the replies are the quantized target's")
+    add_quantize_args(p, "the replies are the quantized target's", default=None)
     p.set_defaults(func=cmd_regen)
 
     p = dsub.add_parser("vocab", help="choose the draft vocabulary (d2t/t2d) and report its coverage")
@@ -43,7 +45,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, I+N, ...")
     p.add_argument("--batch-size", type=int, default=8)
-    _add_quantize(p, "the cached states are the quantized target's")
+    add_quantize_args(p, "the cached states are the quantized target's", default=None)
     p.set_defaults(func=cmd_states)
 
     p = sub.add_parser("train", help="train an EAGLE-3.1 / EAGLE-3 drafter with training-time test")
@@ -71,15 +73,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
-    _add_quantize(p, "the drafter learns the quantized target's states and outputs (fine-tune one for a quantized "
-                     "target with --init-from)")  # fmt: skip
+    add_quantize_args(p, "the drafter learns the quantized target's states and outputs (fine-tune one for a "
+                         "quantized target with --init-from)", default=None)  # fmt: skip
     p.set_defaults(func=cmd_train)
-
-
-def _add_quantize(p, effect: str) -> None:
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default=None,
-                   help=f"quantize the target at load as `eaglespec generate --quantize` does; {effect}")
-    p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")
 
 
 def _default_target(args) -> None:
