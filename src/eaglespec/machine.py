@@ -3,6 +3,7 @@ results are cached. No dependencies, so every layer may import it."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -36,6 +37,32 @@ def cpu_flags() -> set[str]:
 def cache_dir() -> Path:
     """$EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec: calibrations, precision and bandwidth measurements."""
     return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
+
+
+def read_cached(name: str) -> dict:
+    """The measurement cache `name` (a JSON object in cache_dir()); {} when missing or unreadable, so the
+    caller measures again and rewrites it."""
+    path = cache_dir() / name
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def write_cached(name: str, key: str, value) -> None:
+    """Add one entry to the cache `name`, re-read first (another process may have added entries) and
+    written through a temporary file; a read-only home only means measuring again next time."""
+    entries = read_cached(name)
+    entries[key] = value
+    path = cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def best_seconds(fn, repeats: int, warmup: int = 1) -> float:

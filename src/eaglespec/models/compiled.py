@@ -20,15 +20,12 @@ forward match its plain step's (else the model stays eager).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-from ..machine import cache_dir
+from ..machine import read_cached, write_cached
 
 CHOICES = ("auto", "on", "off")
 RECOMPILE_LIMIT = 64  # graphs per forward (dynamo's default of 8 is too few for prefill/plain/tree x batch)
@@ -92,30 +89,15 @@ def try_compiled(models, run, what: str = "warm-up") -> str | None:
 
 
 # -- measured choice -------------------------------------------------------------------------------
-def _cache_path() -> Path:
-    return cache_dir() / "compile.json"
+CACHE = "compile.json"
 
 
 def read_verdicts() -> dict:
-    path = _cache_path()
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        return raw if isinstance(raw, dict) else {}
-    except (OSError, ValueError):
-        return {}  # corrupt: measured again and rewritten
+    return read_cached(CACHE)
 
 
 def write_verdict(key: str, verdict: dict) -> None:
-    entries = read_verdicts()
-    entries[key] = verdict
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home works, it just measures again next time
+    write_cached(CACHE, key, verdict)
 
 
 def valid_verdict(v) -> bool:

@@ -13,14 +13,10 @@ The measurement (well under a second) is cached with the calibration files (spec
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
 from .. import machine
-from ..machine import best_seconds, cache_dir, cpu_name
+from ..machine import best_seconds, cpu_name
 
 CHOICES = ("auto", "fp32", "bf16", "fp16")
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -45,8 +41,7 @@ def measure_cpu(hidden: int, intermediate: int, vocab: int) -> dict:
     return out
 
 
-def _cache_path() -> Path:
-    return cache_dir() / "precision.json"
+CACHE = "precision.json"  # in machine.cache_dir()
 
 
 def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int, vocab: int) -> tuple[str, str]:
@@ -71,23 +66,10 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
     if not native:
         return "fp32", "CPU has no native bf16 (no AMX or AVX-512 BF16): fp32"
     key = f"{cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|{hidden}x{intermediate}x{vocab}"
-    path = _cache_path()
-    try:
-        cached = json.loads(path.read_text()) if path.is_file() else {}
-        if not isinstance(cached, dict):
-            cached = {}
-    except (OSError, ValueError):
-        cached = {}  # corrupt: measure again and rewrite
-    if key not in cached:
-        cached[key] = measure_cpu(hidden, intermediate, vocab)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cached, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    t = cached[key]
+    t = machine.read_cached(CACHE).get(key)
+    if t is None:
+        t = measure_cpu(hidden, intermediate, vocab)
+        machine.write_cached(CACHE, key, t)
     f32, f32_17, b16, b16_17 = t["fp32"]["1"], t["fp32"]["17"], t["bf16"]["1"], t["bf16"]["17"]
     # a plain step is one token, a speculative step verifies ~17: weigh both equally
     choice = "bf16" if b16 + b16_17 < 0.9 * (f32 + f32_17) else "fp32"

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -58,6 +57,7 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
 # partial sum is an integer below 2**24), at dense fp32 speed and with an fp32 copy of the codes
 INT8_KERNELS = ("onednn", "int_mm", "fp32")
 EXACT_FP32_K = 1024  # 1024 * 127 * 127 < 2**24
+INT8_KERNEL_CACHE = "int8_kernels.json"  # in machine.cache_dir()
 STREAMED_BYTES = 64 * 2**20  # kernel timing streams at least this much weight (beyond a CPU's last-level cache)
 
 
@@ -132,19 +132,14 @@ def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
     for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
     steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
     weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
-    from ..machine import best_seconds, cache_dir, cpu_name
+    from ..machine import best_seconds, cpu_name, read_cached, write_cached
 
     names = _exact_int8_kernels() or ("fp32",)
     if len(names) < 2:
         return names[0], names[0]
     # cached on disk per machine: timing a 365M model's four shapes takes seconds at every start
-    path = cache_dir() / "int8_kernels.json"
     key = f"{cpu_name()}|{torch.get_num_threads()}|{torch.__version__}|{','.join(names)}|{shape[0]}x{shape[1]}"
-    try:
-        cached = json.loads(path.read_text()) if path.is_file() else {}
-        hit = cached.get(key) if isinstance(cached, dict) else None
-    except (OSError, ValueError):
-        cached, hit = {}, None  # unreadable: measure again and rewrite
+    hit = read_cached(INT8_KERNEL_CACHE).get(key)
     if isinstance(hit, list) and len(hit) == 2 and all(h in names for h in hit):
         return hit[0], hit[1]
     g = torch.Generator().manual_seed(0)
@@ -160,13 +155,7 @@ def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
         one[name] = best_seconds(lambda runs=runs, r=rows[0]: [run(r) for run in runs], 5)
         many[name] = best_seconds(lambda runs=runs, rows=rows[1:]: [run(r) for run in runs for r in rows], 5)
     chosen = (min(one, key=one.get), min(many, key=many.get))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: list(chosen)}, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the timing next time
+    write_cached(INT8_KERNEL_CACHE, key, list(chosen))
     return chosen
 
 
