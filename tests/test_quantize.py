@@ -86,7 +86,7 @@ def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_
 def test_every_exact_int8_kernel_gives_the_same_bits():
     """The W8A8 layer picks the fastest exact kernel per weight shape: the choice must not change outputs.
     The chunked fp32 kernel is exact on any CPU, so w8a8 works everywhere."""
-    from eaglespec.models.quantize import EXACT_FP32_K, _exact_int8_kernels, _int8_matmul, _rows_for
+    from eaglespec.models.quantize import EXACT_FP32_K, ROW_FORMAT, _as_format, _exact_int8_kernels, _int8_matmul
 
     names = _exact_int8_kernels()
     assert "fp32" in names
@@ -97,7 +97,8 @@ def test_every_exact_int8_kernel_gives_the_same_bits():
         q_u8 = torch.randint(1, 256, (17, k), generator=g, dtype=torch.uint8)
         want = ((q_u8.double() - 128) @ codes.double().T).float() * scales
         for name in names:
-            assert torch.equal(_int8_matmul(name, codes, scales)(_rows_for(name, q_u8)), want), (name, k)
+            rows = _as_format(q_u8.float() - 128, ROW_FORMAT[name])
+            assert torch.equal(_int8_matmul(name, codes, scales)(rows), want), (name, k)
 
 
 def test_int8_kernel_choice_is_cached_per_machine_and_survives_a_corrupt_cache(tmp_path, monkeypatch):

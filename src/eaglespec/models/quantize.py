@@ -62,7 +62,7 @@ STREAMED_BYTES = 64 * 2**20  # kernel timing streams at least this much weight (
 
 
 def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
-    """Rows quantized by quantize_rows (converted by _rows_for) -> fp32 [m, n] = float(rows @ codes.T,
+    """Rows rounded by quantize_rows in this kernel's ROW_FORMAT -> fp32 [m, n] = float(rows @ codes.T,
     summed exactly) * scales: every kernel gives the same bits."""
     if name == "onednn":
         packed = torch.ops.onednn.qlinear_prepack(codes, None)
@@ -94,10 +94,6 @@ def _as_format(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return codes.to(torch.int8) if fmt == "s8" else codes
 
 
-def _rows_for(name: str, q_u8: torch.Tensor) -> torch.Tensor:
-    """Rows in quantize_rows' default u8 format (codes + 128) -> the format kernel `name` takes."""
-    return _as_format(q_u8.float() - 128, ROW_FORMAT[name])
-
 
 @functools.cache
 def _exact_int8_kernels() -> tuple[str, ...]:
@@ -113,11 +109,10 @@ def _exact_int8_kernels() -> tuple[str, ...]:
     x[1::2, :64] = -127
     scales = torch.rand(n, generator=g) * 0.01
     exact = (x.double() @ w.double().T).float() * scales  # as float(int32 sum) * scale
-    q_u8 = (x.to(torch.int16) + 128).to(torch.uint8)
     found = []
     for name in INT8_KERNELS:
         try:
-            run, rows = _int8_matmul(name, w, scales), _rows_for(name, q_u8)
+            run, rows = _int8_matmul(name, w, scales), _as_format(x.float(), ROW_FORMAT[name])
             checks = [(rows[:m], exact[:m]) for m in (1, 5, 17)] + [(rows[3:4], exact[3:4])]
             if all(torch.equal(run(r), want) for r, want in checks):
                 found.append(name)
@@ -147,11 +142,11 @@ def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
     # it does in decoding (one copy would be timed from cache and favour the wrong kernel)
     copies = max(1, min(24, -(-STREAMED_BYTES // (shape[0] * shape[1]))))
     ws = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(copies)]
-    xs = [torch.randint(0, 256, (m, shape[1]), generator=g, dtype=torch.uint8) for m in (1, 4, 17)]
+    xs = [torch.randint(-127, 128, (m, shape[1]), generator=g).float() for m in (1, 4, 17)]
     one, many = {}, {}
     for name in names:
         runs = [_int8_matmul(name, w, torch.ones(shape[0])) for w in ws]
-        rows = [_rows_for(name, x) for x in xs]
+        rows = [_as_format(x.clone(), ROW_FORMAT[name]) for x in xs]
         one[name] = best_seconds(lambda runs=runs, r=rows[0]: [run(r) for run in runs], 5)
         many[name] = best_seconds(lambda runs=runs, rows=rows[1:]: [run(r) for run in runs for r in rows], 5)
     chosen = (min(one, key=one.get), min(many, key=many.get))
