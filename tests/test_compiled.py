@@ -12,6 +12,7 @@ import torch
 from eaglespec.api import choose_compile
 from eaglespec.engine import Engine, Request
 from eaglespec.models import compiled
+from eaglespec.models.precision import tree_plain_gap
 from eaglespec.sampling import SamplingParams
 from helpers import random_drafter, tiny_target
 from rigged import RiggedProposer
@@ -71,6 +72,64 @@ def test_compiled_paths_equal_eager_plain(pair):
     again = Engine(target, drafter, mode="chain", chain_k=3, adaptive=False).generate(
         reqs, SamplingParams(temperature=0.8, seed=3))
     assert [r.output_ids for r in again.results] == [r.output_ids for r in sampled.results]
+
+
+@pytest.fixture
+def w8a8_onednn(monkeypatch):
+    """W8A8 layers whose eager kernel is oneDNN's where it is exact here (CPUs with VNNI or AMX): its
+    packed weight is opaque to inductor, so compiled graphs need their own kernels (models/quantize.py)."""
+    from eaglespec.models import quantize
+
+    real = quantize._fastest_int8_kernels
+    onednn = "onednn" in quantize._exact_int8_kernels()
+
+    def eager_onednn(shape, traceable=False):
+        return real(shape, traceable) if traceable or not onednn else ("onednn", "onednn")
+
+    monkeypatch.setattr(quantize, "_fastest_int8_kernels", eager_onednn)
+    return quantize
+
+
+def test_compiled_w8a8_target_is_lossless(tmp_path, w8a8_onednn):
+    """Default run (one compiled model, ~1-2 minutes on 2 cores): a compiled W8A8 target's verification
+    rows equal its plain steps bit for bit, its plain decoding equals eager, and speculation with long
+    accepted paths equals it."""
+    target, _, _ = tiny_target(tmp_path)
+    w8a8_onednn.apply_quantize(target, "w8a8")
+    reqs = [Request(p, N_NEW) for p in _prompts(2, seed=6)]
+    eager = [r.output_ids for r in Engine(target).generate(reqs).results]
+    drafter = random_drafter(target, draft_vocab=64)
+    try:
+        compiled.compile_model(target)
+        assert tree_plain_gap(target) == 0.0
+        assert [r.output_ids for r in Engine(target).generate(reqs).results] == eager
+        eng = Engine(target, drafter, mode="chain", chain_k=3, adaptive=False)
+        eng.proposer = RiggedProposer(eng, eager, 96, break_every=3)
+        out = eng.generate(reqs, batch_size=2)
+        assert [r.output_ids for r in out.results] == eager and out.stats.tau > 1.5
+    finally:
+        compiled.uncompile(target)
+
+
+@pytest.mark.slow
+def test_compile_on_w8a8_engine_every_path(tmp_path, w8a8_onednn):
+    """`--compile on` for a W8A8 target and its drafter (compiling failed before with oneDNN kernels):
+    compiled auto and chain speculation at batch 1 and 2 equal compiled plain decoding."""
+    target, _, _ = tiny_target(tmp_path)
+    w8a8_onednn.apply_quantize(target, "w8a8")
+    drafter = random_drafter(target, draft_vocab=64)
+    reqs = [Request(p, N_NEW) for p in _prompts(3, seed=6)]
+    try:
+        use, why = choose_compile(Engine(target, drafter, mode="auto"), "on")
+        assert use and compiled.is_compiled(target) and compiled.is_compiled(drafter), why
+        plain = [r.output_ids for r in Engine(target).generate(reqs).results]
+        for mode in ("chain", "auto"):
+            for bs in (1, 2):
+                eng = Engine(target, drafter, mode=mode, chain_k=3, adaptive=False)
+                assert [r.output_ids for r in eng.generate(reqs, batch_size=bs).results] == plain, (mode, bs)
+    finally:
+        compiled.uncompile(target)
+        compiled.uncompile(drafter)
 
 
 def test_compile_failure_falls_back_to_eager(tmp_path, monkeypatch):

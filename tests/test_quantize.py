@@ -122,6 +122,17 @@ def test_int8_kernel_choice_is_cached_per_machine_and_survives_a_corrupt_cache(t
     quantize._fastest_int8_kernels.cache_clear()
 
 
+def test_compiled_graphs_get_int8_kernels_inductor_can_trace():
+    from eaglespec.models import quantize
+
+    assert set(quantize._fastest_int8_kernels((48, 64), traceable=True)) <= set(quantize.TRACEABLE_INT8_KERNELS)
+    layer = QuantizedLinear.from_linear(_linear(48, 64), 8, activations="int8")
+    x = torch.randn(3, 64)
+    want = layer(x)
+    layer.prepare(torch.float32, traceable=True)
+    assert torch.equal(layer._cpu_kernel(torch.float32, traceable=True)(x), want)  # the same bits
+
+
 def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():
     from eaglespec.models.quantize import FusedQuantized
 

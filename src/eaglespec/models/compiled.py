@@ -42,6 +42,10 @@ def compile_model(model):
         return model
     import torch._dynamo.config as dynamo_config
 
+    from .fast_linear import prepare_for_inference
+
+    prepare_for_inference(model, traceable=True)  # W8A8 layers get kernels the graphs can trace
+
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 8 * RECOMPILE_LIMIT)
     eager = model.forward

@@ -135,9 +135,10 @@ def _stale(fused: FastLinear | FusedQuantized | None, first: nn.Module) -> bool:
     return fused is None or not hasattr(first, "weight") or fused.weight.data_ptr() != first.weight.data_ptr()
 
 
-def prepare_for_inference(model: nn.Module) -> nn.Module:
+def prepare_for_inference(model: nn.Module, traceable: bool = False) -> nn.Module:
     """Fuse and pack the model's linear layers (see the module docstring). Idempotent; call it again
-    after moving the model to another device or dtype."""
+    after moving the model to another device or dtype. traceable: also build the quantized kernels
+    torch.compile can trace (models/compiled.py calls it so)."""
     fused_members = set()
     for m in list(model.modules()):
         if isinstance(m, Attention):
@@ -154,13 +155,13 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
     for m in list(model.modules()):
         for fused in (getattr(m, "_qkv", None), getattr(m, "_gate_up", None)):
             if isinstance(fused, FusedQuantized):
-                fused.layer.prepare(dtype)
+                fused.layer.prepare(dtype, traceable)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in fused_members:
                 continue  # computed by the fused matmul; no packed copy needed
             if isinstance(child, QuantizedLinear):
-                child.prepare(dtype)
+                child.prepare(dtype, traceable)
             if type(child) is nn.Linear and packing_available(child.weight):
                 setattr(parent, name, PackedLinear(child))
             elif isinstance(child, PackedLinear) and child.fast.weight.data_ptr() != child.weight.data_ptr():

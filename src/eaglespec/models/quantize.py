@@ -56,6 +56,7 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
 # has VNNI/AMX), and an fp32 GEMM over chunks of EXACT_FP32_K input channels, exact on any CPU (every
 # partial sum is an integer below 2**24), at dense fp32 speed and with an fp32 copy of the codes
 INT8_KERNELS = ("onednn", "int_mm", "fp32")
+TRACEABLE_INT8_KERNELS = ("int_mm", "fp32")  # what torch.compile can trace (oneDNN's packed weight is opaque)
 EXACT_FP32_K = 1024  # 1024 * 127 * 127 < 2**24
 INT8_KERNEL_CACHE = "int8_kernels.json"  # in machine.cache_dir()
 STREAMED_BYTES = 64 * 2**20  # kernel timing streams at least this much weight (beyond a CPU's last-level cache)
@@ -122,14 +123,15 @@ def _exact_int8_kernels() -> tuple[str, ...]:
 
 
 @functools.cache
-def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
+def _fastest_int8_kernels(shape: tuple[int, int], traceable: bool = False) -> tuple[str, str]:
     """Of the exact kernels, the fastest here for an [out, in] weight for one-row calls (plain steps) and
     for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
     steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
-    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
+    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12). traceable: only kernels
+    torch.compile can trace (a compiled model's graphs)."""
     from ..machine import best_seconds, cpu_name, read_cached, write_cached
 
-    names = _exact_int8_kernels() or ("fp32",)
+    names = tuple(n for n in _exact_int8_kernels() if not traceable or n in TRACEABLE_INT8_KERNELS) or ("fp32",)
     if len(names) < 2:
         return names[0], names[0]
     # cached on disk per machine: timing a 365M model's four shapes takes seconds at every start
@@ -269,12 +271,14 @@ class QuantizedLinear(nn.Module):
         """Bytes of codes, scales and zero points (what a forward reads)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
 
-    def _cpu_kernel(self, dtype: torch.dtype):
-        """The kernel for activations of `dtype` (built once per dtype; scales converted to it)."""
-        kernel = self._kernels.get(dtype)
+    def _cpu_kernel(self, dtype: torch.dtype, traceable: bool = False):
+        """The kernel for activations of `dtype` (built once per dtype; scales converted to it); traceable:
+        one torch.compile can trace (W8A8 without oneDNN; built by prepare before a graph is traced)."""
+        traceable = traceable and self.activations == "int8"  # torch's weight-only kernels trace as they are
+        kernel = self._kernels.get((dtype, traceable))
         if kernel is None:
             if self.activations == "int8":
-                one, many = _fastest_int8_kernels((self.out_features, self.in_features))
+                one, many = _fastest_int8_kernels((self.out_features, self.in_features), traceable)
                 scales = self.scales.float()
                 matmuls = {name: _int8_matmul(name, self.codes, scales) for name in {one, many}}
 
@@ -294,7 +298,7 @@ class QuantizedLinear(nn.Module):
                 group = self.group
                 run = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)  # noqa: E731
                 kernel = run if pad == 0 else (lambda x: run(x)[:, :n])
-            self._kernels[dtype] = kernel
+            self._kernels[(dtype, traceable)] = kernel
         return kernel
 
     def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -302,18 +306,19 @@ class QuantizedLinear(nn.Module):
         # activations as they come to int8 steps
         return dtype if self.activations else torch.bfloat16
 
-    def prepare(self, dtype: torch.dtype) -> None:
+    def prepare(self, dtype: torch.dtype, traceable: bool = False) -> None:
         """Build now the CPU kernel a forward on `dtype` activations will use (kernel choice, packing),
-        so the first request does not pay for it (models/fast_linear.prepare_for_inference calls it)."""
+        so the first request does not pay for it (models/fast_linear.prepare_for_inference calls it);
+        traceable: the one a compiled graph will use (models/compiled.py)."""
         if self.codes.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            self._cpu_kernel(self._compute_dtype(dtype))
+            self._cpu_kernel(self._compute_dtype(dtype), traceable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             compute = self._compute_dtype(x.dtype)
-            y = self._cpu_kernel(compute)(flat.to(compute))
+            y = self._cpu_kernel(compute, torch.compiler.is_compiling())(flat.to(compute))
         elif self.activations == "int8":  # other devices: the same arithmetic, dequantized (correct, not fast)
             q, scale = quantize_rows(flat)
             y = F.linear(q.float() - 128, self.codes.float()) * self.scales.float() * scale
