@@ -87,6 +87,9 @@ def w8a8_onednn(monkeypatch):
         return real(shape, traceable) if traceable or not onednn else ("onednn", "onednn")
 
     monkeypatch.setattr(quantize, "_fastest_int8_kernels", eager_onednn)
+    # graphs compiled for this file's fp32 model guard on its FastLinear attributes, which a quantized
+    # model's fused layers lack (dynamo raises AttributeError evaluating them): start from no graphs
+    torch._dynamo.reset()
     return quantize
 
 

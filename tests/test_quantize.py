@@ -122,15 +122,28 @@ def test_int8_kernel_choice_is_cached_per_machine_and_survives_a_corrupt_cache(t
     quantize._fastest_int8_kernels.cache_clear()
 
 
-def test_compiled_graphs_get_int8_kernels_inductor_can_trace():
+def test_compiled_graphs_call_onednn_through_a_custom_op_with_the_same_bits(monkeypatch):
+    """inductor cannot trace oneDNN's packed weight: a compiled graph calls it as eaglespec::int8_matmul,
+    which gives the eager kernel's bits and lets the weight go with its layer."""
+    import gc
+
     from eaglespec.models import quantize
 
-    assert set(quantize._fastest_int8_kernels((48, 64), traceable=True)) <= set(quantize.TRACEABLE_INT8_KERNELS)
+    if "onednn" not in quantize._exact_int8_kernels():
+        pytest.skip("oneDNN's int8 kernel is not exact on this CPU (no VNNI/AMX): compiled graphs never use it")
+    monkeypatch.setattr(quantize, "_fastest_int8_kernels", lambda shape: ("onednn", "onednn"))
     layer = QuantizedLinear.from_linear(_linear(48, 64), 8, activations="int8")
     x = torch.randn(3, 64)
     want = layer(x)
     layer.prepare(torch.float32, traceable=True)
-    assert torch.equal(layer._cpu_kernel(torch.float32, traceable=True)(x), want)  # the same bits
+    kernel = layer._kernels[(torch.float32, True)]
+    assert torch.equal(kernel(x), want)
+    index = len(quantize._OPAQUE) - 1
+    assert torch.equal(torch.ops.eaglespec.int8_matmul(quantize.quantize_rows(x)[0], index) *
+                       quantize.quantize_rows(x)[1], want)  # fmt: skip
+    del layer, kernel
+    gc.collect()
+    assert quantize._OPAQUE[index][0]() is None
 
 
 def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():

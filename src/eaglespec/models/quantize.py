@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import torch
@@ -56,7 +57,6 @@ def _held(scale: torch.Tensor) -> torch.Tensor:
 # has VNNI/AMX), and an fp32 GEMM over chunks of EXACT_FP32_K input channels, exact on any CPU (every
 # partial sum is an integer below 2**24), at dense fp32 speed and with an fp32 copy of the codes
 INT8_KERNELS = ("onednn", "int_mm", "fp32")
-TRACEABLE_INT8_KERNELS = ("int_mm", "fp32")  # what torch.compile can trace (oneDNN's packed weight is opaque)
 EXACT_FP32_K = 1024  # 1024 * 127 * 127 < 2**24
 INT8_KERNEL_CACHE = "int8_kernels.json"  # in machine.cache_dir()
 STREAMED_BYTES = 64 * 2**20  # kernel timing streams at least this much weight (beyond a CPU's last-level cache)
@@ -85,6 +85,32 @@ def _int8_matmul(name: str, codes: torch.Tensor, scales: torch.Tensor):
 
 
 ROW_FORMAT = {"onednn": "u8", "int_mm": "s8", "fp32": "f32"}  # how each kernel takes the rounded rows
+
+# oneDNN matmuls of compiled W8A8 layers, called from the graphs through one custom op (inductor cannot
+# trace the packed weight, and compiling failed with it inlined): weak, so a dropped model frees them
+_OPAQUE: list[tuple[weakref.ref, int]] = []
+
+
+@torch.library.custom_op("eaglespec::int8_matmul", mutates_args=())
+def _opaque_int8_matmul(rows: torch.Tensor, index: int) -> torch.Tensor:
+    return _OPAQUE[index][0]()(rows)
+
+
+@_opaque_int8_matmul.register_fake
+def _(rows: torch.Tensor, index: int) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], _OPAQUE[index][1]), dtype=torch.float32)
+
+
+def _opaque(run, out_features: int):
+    """`run` ([m, in] rounded rows -> fp32 [m, out]) as a call torch.compile keeps as it is."""
+    _OPAQUE.append((weakref.ref(run), out_features))
+    index = len(_OPAQUE) - 1
+
+    def opaque(rows):
+        return _opaque_int8_matmul(rows, index)
+
+    opaque.run = run  # the weak reference's target lives as long as the layer's kernel
+    return opaque
 
 
 def _as_format(codes: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -123,15 +149,14 @@ def _exact_int8_kernels() -> tuple[str, ...]:
 
 
 @functools.cache
-def _fastest_int8_kernels(shape: tuple[int, int], traceable: bool = False) -> tuple[str, str]:
+def _fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
     """Of the exact kernels, the fastest here for an [out, in] weight for one-row calls (plain steps) and
     for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
     steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
-    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12). traceable: only kernels
-    torch.compile can trace (a compiled model's graphs)."""
+    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
     from ..machine import best_seconds, cpu_name, read_cached, write_cached
 
-    names = tuple(n for n in _exact_int8_kernels() if not traceable or n in TRACEABLE_INT8_KERNELS) or ("fp32",)
+    names = _exact_int8_kernels() or ("fp32",)
     if len(names) < 2:
         return names[0], names[0]
     # cached on disk per machine: timing a 365M model's four shapes takes seconds at every start
@@ -273,14 +298,17 @@ class QuantizedLinear(nn.Module):
 
     def _cpu_kernel(self, dtype: torch.dtype, traceable: bool = False):
         """The kernel for activations of `dtype` (built once per dtype; scales converted to it); traceable:
-        one torch.compile can trace (W8A8 without oneDNN; built by prepare before a graph is traced)."""
+        one torch.compile can trace (W8A8's oneDNN matmul behind a custom op; built by prepare before a
+        graph is traced)."""
         traceable = traceable and self.activations == "int8"  # torch's weight-only kernels trace as they are
         kernel = self._kernels.get((dtype, traceable))
         if kernel is None:
             if self.activations == "int8":
-                one, many = _fastest_int8_kernels((self.out_features, self.in_features), traceable)
+                one, many = _fastest_int8_kernels((self.out_features, self.in_features))
                 scales = self.scales.float()
                 matmuls = {name: _int8_matmul(name, self.codes, scales) for name in {one, many}}
+                if traceable and "onednn" in matmuls:  # its packed weight is opaque to inductor
+                    matmuls["onednn"] = _opaque(matmuls["onednn"], self.out_features)
 
                 def kernel(x):  # fp32 out: the bias is added before rounding to x's precision
                     name = one if x.shape[0] == 1 else many
