@@ -87,16 +87,17 @@ def w8a8_onednn(monkeypatch):
         return real(shape, traceable) if traceable or not onednn else ("onednn", "onednn")
 
     monkeypatch.setattr(quantize, "_fastest_int8_kernels", eager_onednn)
-    # graphs compiled for this file's fp32 model guard on its FastLinear attributes, which a quantized
-    # model's fused layers lack (dynamo raises AttributeError evaluating them): start from no graphs
-    torch._dynamo.reset()
     return quantize
 
 
-def test_compiled_w8a8_target_is_lossless(tmp_path, w8a8_onednn):
+def test_compiled_w8a8_target_is_lossless(tmp_path, w8a8_onednn, pair):
     """Default run (one compiled model, ~1-2 minutes on 2 cores): a compiled W8A8 target's verification
     rows equal its plain steps bit for bit, its plain decoding equals eager, and speculation with long
-    accepted paths equals it."""
+    accepted paths equals it. An unquantized model of the same class is compiled and run first in this
+    process (dynamo checking its graphs' guards on the quantized model made compiling fail)."""
+    fp32_target, _, fp32_reqs, fp32_plain = pair
+    compiled.compile_model(fp32_target)
+    assert [r.output_ids for r in Engine(fp32_target).generate(fp32_reqs[:1]).results] == fp32_plain[:1]
     target, _, _ = tiny_target(tmp_path)
     w8a8_onednn.apply_quantize(target, "w8a8")
     reqs = [Request(p, N_NEW) for p in _prompts(2, seed=6)]

@@ -21,6 +21,7 @@ forward match its plain step's (else the model stays eager).
 from __future__ import annotations
 
 import time
+import types
 import warnings
 
 import torch
@@ -49,7 +50,7 @@ def compile_model(model):
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 8 * RECOMPILE_LIMIT)
     eager = model.forward
-    fast = torch.compile(eager, dynamic=True)
+    fast = torch.compile(types.MethodType(_own_copy(eager.__func__), model), dynamic=True)
 
     def forward(*args, **kwargs):  # dense inputs: strides of sliced/expanded views would each get a graph
         return fast(*(_dense(a) if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
@@ -57,6 +58,15 @@ def compile_model(model):
     model.__dict__["_eager_forward"] = eager
     model.__dict__["forward"] = forward
     return model
+
+
+def _own_copy(fn):
+    """fn with a code object of its own: dynamo keeps graphs and guards per code object, so models of one
+    class would share them, and checking one model's guards on another of a different make-up (an
+    unquantized model's graphs on a quantized one's fused layers) raised AttributeError inside dynamo."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return own
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
