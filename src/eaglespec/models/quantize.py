@@ -13,8 +13,9 @@ cost grows ~linearly with rows). W8A8 runs the fastest exact int8 kernel for the
 the call's row count (one row, or more) here
 (oneDNN's prepacked u8s8 linear, torch._int_mm, or a chunked fp32 GEMM that is exact on any CPU:
 `_exact_int8_kernels` checks exactness with extreme codes, since CPUs without VNNI/AMX saturate pairs of
-u8 x s8 products in int16); its cost stays nearly flat from 1 to 17 rows. Off CPU the weight is
-dequantized for each call (correct, not fast).
+u8 x s8 products in int16); its cost stays nearly flat from 1 to 17 rows. Compiled graphs
+(models/compiled.py) call the oneDNN kernel through the `eaglespec::int8_matmul` custom op, since inductor
+cannot trace its packed weight. Off CPU the weight is dequantized for each call (correct, not fast).
 
 Lossless by construction: plain steps and every verification forward of a quantized target run these
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
