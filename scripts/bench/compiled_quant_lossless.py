@@ -1,10 +1,14 @@
 """Compiled W8A8 bundled pair: compiled speculation (auto/chain/tree) vs compiled plain, and compiled plain vs
 eager plain, 6 prompts x 48 tokens. python scripts/bench/compiled_quant_lossless.py"""
 
-import time, torch
+import time
+
+import torch
+
 from eaglespec.api import load_engine
 from eaglespec.engine import Engine, Request
 from eaglespec.models import compiled
+
 torch.set_num_threads(2)
 t0 = time.time()
 eng = load_engine("models/target", "models/drafter-eagle3.1", quantize="w8a8", compile="on", dtype="fp32")
