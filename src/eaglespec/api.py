@@ -38,7 +38,7 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     "w8a8" quantization of the decoder layers (models/quantize.py), applied before that check."""
     from .models.checkpoint import read_config
     from .models.fast_linear import prepare_for_inference
-    from .models.precision import MAX_TREE_PLAIN_GAP, choose_dtype, tree_plain_gap
+    from .models.precision import choose_dtype, max_tree_plain_gap, tree_plain_gap
     from .models.quantize import apply_quantize, parse_quantize
 
     parse_quantize(quantize)  # bad input fails before anything loads
@@ -53,7 +53,7 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     tgt = load(chosen)
     if dtype == "auto" and chosen != "fp32":
         gap = tree_plain_gap(prepare_for_inference(tgt))
-        if gap > MAX_TREE_PLAIN_GAP:  # faster, but verification would round unlike plain steps
+        if gap > max_tree_plain_gap(tgt):  # faster, but verification would round unlike plain steps
             why = (f"{chosen} was faster ({why}) but its verification logits differ from plain steps by "
                    f"{gap:.3g} on this machine, which changes greedy tokens")  # fmt: skip
             chosen = "fp32"
@@ -117,7 +117,7 @@ def choose_compile(engine: Engine, requested: str, expected_tokens: int | None =
     """Compile the engine's models or not (models/compiled.py); returns (compiled, reason). "auto" uses
     the measurement cached for this machine and models, measuring it first when the job can pay for that."""
     from .models import compiled
-    from .models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
+    from .models.precision import max_tree_plain_gap, tree_plain_gap
     from .spec.costs import cache_key, load_or_calibrate
 
     if requested not in compiled.CHOICES:
@@ -158,9 +158,7 @@ def choose_compile(engine: Engine, requested: str, expected_tokens: int | None =
     if failure:
         return False, failure
     gap = tree_plain_gap(engine.target)
-    # a quantized target rounds its layers' inputs, which turns any gap into different tokens: none allowed
-    limit = 0.0 if getattr(engine.target, "quantization", None) is not None else MAX_TREE_PLAIN_GAP
-    if gap > limit:  # the compiled kernels round a verification unlike a plain step
+    if gap > max_tree_plain_gap(engine.target):  # the compiled kernels round a verification unlike a plain step
         for m in models:
             compiled.uncompile(m)
         return False, f"eager (compiled verification logits differ from plain steps by {gap:.3g} here)"

@@ -85,6 +85,12 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
 MAX_TREE_PLAIN_GAP = 1e-4
 
 
+def max_tree_plain_gap(target) -> float:
+    """The gap this target may have: none for a quantized one, whose layers round their inputs and so turn
+    any difference into other tokens (models/quantize.py); MAX_TREE_PLAIN_GAP otherwise."""
+    return 0.0 if getattr(target, "quantization", None) is not None else MAX_TREE_PLAIN_GAP
+
+
 @torch.inference_mode()
 def tree_plain_gap(target, *, prompt_len: int = 40, tree_len: int = 17, seed: int = 0) -> float:
     """Max |logit difference| for one token between a one-token plain step and the first position of a
