@@ -15,7 +15,7 @@ import torch
 
 from eaglespec.api import load_engine
 from eaglespec.engine import Request
-from eaglespec.spec.proposer import TreeShape
+from eaglespec.speculation.proposer import TreeShape
 
 
 def main():

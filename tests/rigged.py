@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from eaglespec.spec.proposer import EagleProposer
-from eaglespec.spec.tree import Candidates, build_tree
+from eaglespec.speculation.proposer import EagleProposer
+from eaglespec.speculation.tree import Candidates, build_tree
 
 
 class RiggedProposer(EagleProposer):

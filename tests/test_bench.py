@@ -16,7 +16,7 @@ from eaglespec.bench.runner import RunConfig, run_bench
 from eaglespec.bench.suites import CATEGORIES, SUITES_DIR, load_prompts, load_suite
 from eaglespec.cli import main
 from eaglespec.engine import Request
-from eaglespec.spec.proposer import TreeShape
+from eaglespec.speculation.proposer import TreeShape
 from rigged import RiggedProposer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -69,8 +69,8 @@ def test_tiny_shape_is_written_once_and_loads(tmp_path, monkeypatch):
     assert drafter.cfg.eagle_version == "EAGLE-3.1" and drafter.cfg.draft_vocab_size == 32
     # peaked random draft logits: EAGLE-2 trees of 16 nodes (mostly) reach their full depth 4
     from eaglespec.engine import Engine, Request
-    from eaglespec.spec import proposer as proposer_mod
-    from eaglespec.spec.proposer import TreeShape
+    from eaglespec.speculation import proposer as proposer_mod
+    from eaglespec.speculation.proposer import TreeShape
 
     depths, build = [], proposer_mod.build_tree
     monkeypatch.setattr(proposer_mod, "build_tree", lambda *a: depths.append(build(*a).depth.max()) or build(*a))

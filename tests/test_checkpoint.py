@@ -5,9 +5,10 @@ import torch
 from safetensors.torch import save_file
 
 from eaglespec.engine import Engine, Request
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import CheckpointError, load_target
 from eaglespec.models.drafter import Eagle3Drafter, load_drafter, new_drafter_config, save_drafter
-from eaglespec.spec.proposer import TreeShape, causal_mask
+from eaglespec.speculation.proposer import TreeShape
 from helpers import random_drafter, tiny_target
 
 H, V = 64, 96

@@ -7,7 +7,7 @@ import torch
 
 from eaglespec.core import AdmissionError, EngineCore
 from eaglespec.engine import Engine, Request
-from eaglespec.spec.proposer import TreeShape
+from eaglespec.speculation.proposer import TreeShape
 from helpers import random_drafter, tiny_target
 
 LONG = 200

@@ -8,7 +8,7 @@ import pytest
 
 from eaglespec.api import default_models_dir, generate, load_engine
 from eaglespec.cli import main
-from eaglespec.spec.proposer import TreeShape
+from eaglespec.speculation.proposer import TreeShape
 
 MODELS = default_models_dir()
 PROMPTS = [[{"role": "user", "content": "hi, how are you doing today?"}], "def read_config(path):\n"]

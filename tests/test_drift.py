@@ -11,8 +11,9 @@ from eaglespec.drift.chains import ChainRecord, draft_chains
 from eaglespec.drift.forward import context_kv, drafter_step
 from eaglespec.drift.measure import capture_aux, chain_roots, measure_drafter
 from eaglespec.engine import Engine, Request
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.drafter import save_drafter
-from eaglespec.spec.proposer import EagleProposer, TreeShape, causal_mask
+from eaglespec.speculation.proposer import EagleProposer, TreeShape
 from helpers import random_drafter, tiny_target
 
 DEPTH = 5

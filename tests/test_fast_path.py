@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from eaglespec.engine import Engine, Request
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
 from eaglespec.models.fast_linear import PackedLinear, packing_available, prepare_for_inference
-from eaglespec.spec.proposer import TreeShape, causal_mask
+from eaglespec.speculation.proposer import TreeShape
 from helpers import FAMILIES, hf_tiny, random_drafter, save_hf, tiny_target
 from rigged import RiggedProposer
 from test_greedy_lossless import _hf_greedy, _prompts

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from eaglespec.engine import Engine, Request
-from eaglespec.kv_cache import ContextLengthError, KVCache
+from eaglespec.kv_cache import ContextLengthError, KVCache, causal_mask
 from eaglespec.models.checkpoint import load_target
-from eaglespec.spec.proposer import TreeShape, causal_mask
-from eaglespec.spec.tree import DraftTree, ancestor_mask
-from eaglespec.spec.verify import accept_greedy
+from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.tree import DraftTree, ancestor_mask
+from eaglespec.speculation.verify import accept_greedy
 from helpers import hf_tiny, random_drafter, save_hf
 
 TOL = 1e-4

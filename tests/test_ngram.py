@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from eaglespec.spec.ngram import NgramIndex, lookup, merge_chains
-from eaglespec.spec.tree import DraftTree, ancestor_mask, root_only
-from eaglespec.spec.verify import accept_greedy
+from eaglespec.speculation.ngram import NgramIndex, lookup, merge_chains
+from eaglespec.speculation.tree import DraftTree, ancestor_mask, root_only
+from eaglespec.speculation.verify import accept_greedy
 
 
 def _brute(ctx, max_tokens, max_ngram=3, min_ngram=1, prefer="last"):

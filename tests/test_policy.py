@@ -12,9 +12,9 @@ import torch
 
 from eaglespec.models.fast_linear import kernel_signature, prepare_for_inference
 from eaglespec.models.precision import choose_dtype
-from eaglespec.spec import costs as costs_mod
-from eaglespec.spec.costs import StepCosts, cache_key, load_or_calibrate
-from eaglespec.spec.policy import AcceptanceModel, Policy, best_node_count
+from eaglespec.speculation import costs as costs_mod
+from eaglespec.speculation.costs import StepCosts, cache_key, load_or_calibrate
+from eaglespec.speculation.policy import AcceptanceModel, Policy, best_node_count
 from helpers import random_drafter, tiny_target
 
 
@@ -290,7 +290,7 @@ def test_verification_cost_grows_with_context_and_trees_shrink():
     """Attention makes a verification of many tokens dearer with the context (measured on the bundled
     target at 5K positions: 17 tokens 2.7x a one-token step, 1.6x at 256): the costs follow the rows'
     context, and the policy verifies fewer nodes for long rows."""
-    from eaglespec.spec.costs import CALIBRATION_CONTEXT
+    from eaglespec.speculation.costs import CALIBRATION_CONTEXT
 
     verify = {1: 2.5e-3, 4: 3.0e-3, 16: 4.6e-3, 32: 7.0e-3}
     long = {1: 4.5e-3, 4: 6.0e-3, 16: 11.0e-3}

@@ -13,7 +13,7 @@ from torch import nn
 from eaglespec.engine import Engine, Request
 from eaglespec.models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
 from eaglespec.models.quantize import SCHEMES, QuantizedLinear, parse_quantize, quantize_rows, quantize_target
-from eaglespec.spec.proposer import TreeShape
+from eaglespec.speculation.proposer import TreeShape
 from helpers import FAMILIES, random_drafter, tiny_target
 from rigged import RiggedProposer
 from test_greedy_lossless import _prompts
@@ -192,7 +192,7 @@ def test_w8a8_verification_rows_equal_plain_steps_bit_for_bit(tmp_path, family):
     ~1e-6: each row of one 17-token causal forward equals the plain step for that token (hidden states
     before lm_head, every bit). fp32 attention alone fails this (its sums change order with the row
     count); the target attends in fp64."""
-    from eaglespec.spec.proposer import causal_mask
+    from eaglespec.kv_cache import causal_mask
 
     target, _, _ = tiny_target(tmp_path, family)
     quantize_target(target, 8, activations="int8")

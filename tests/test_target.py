@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import CheckpointError, load_target
-from eaglespec.spec.proposer import causal_mask
 from helpers import FAMILIES, hf_tiny, save_hf
 
 

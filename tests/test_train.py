@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.drafter import load_drafter
-from eaglespec.spec.proposer import causal_mask
 from eaglespec.train.shards import DataError, Sample, load_samples, read_shard, write_shard
 from eaglespec.train.trainer import TrainConfig, Trainer
 from eaglespec.train.ttt import (

@@ -13,11 +13,11 @@ import time
 import torch
 
 from eaglespec.api import load_target_for_speculation
+from eaglespec.kv_cache import causal_mask
 from eaglespec.machine import cpu_name
 from eaglespec.models.compiled import compile_model, is_compiled, uncompile
 from eaglespec.models.fast_linear import prepare_for_inference
 from eaglespec.models.precision import tree_plain_gap
-from eaglespec.spec.proposer import causal_mask
 
 ROWS = (1, 5, 17)
 

@@ -1,5 +1,10 @@
-import time, torch, sys
-from eaglespec.api import load_engine, generate
+import sys
+import time
+
+import torch
+
+from eaglespec.api import generate, load_engine
+
 torch.set_num_threads(2)
 p=None
 for dtype in ["fp32","bf16"]:

@@ -1,9 +1,14 @@
 """Tau per suite for drafter prefill windows (tree d4/k4/16 forced, 6 prompts per suite, 48 new tokens).
 Usage: python scripts/bench/prefill_window_tau.py 32,128,256"""
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 from eaglespec.api import load_engine, stop_ids_for
-from eaglespec.engine import Request
 from eaglespec.bench.suites import load_suite, tokenize_suite
+from eaglespec.engine import Request
+
 torch.set_num_threads(2)
 eng = load_engine("models/target", "models/drafter-eagle3.1", mode="tree", dtype="fp32", adaptive=False)
 cats = ("chat", "code", "docs_qa", "summarization", "long_context")

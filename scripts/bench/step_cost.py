@@ -12,8 +12,8 @@ import time
 import torch
 
 import eaglespec.models.fast_linear as fast_linear
+from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
-from eaglespec.spec.proposer import causal_mask
 
 
 def main() -> None:

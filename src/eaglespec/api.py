@@ -11,7 +11,7 @@ from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
 from .models.checkpoint import CheckpointError, load_target
 from .models.drafter import load_drafter, set_attention_window
 from .sampling import SamplingParams
-from .spec.proposer import TreeShape
+from .speculation.proposer import TreeShape
 
 
 def default_models_dir() -> Path:
@@ -118,7 +118,7 @@ def choose_compile(engine: Engine, requested: str, expected_tokens: int | None =
     the measurement cached for this machine and models, measuring it first when the job can pay for that."""
     from .models import compiled
     from .models.precision import max_tree_plain_gap, tree_plain_gap
-    from .spec.costs import cache_key, load_or_calibrate
+    from .speculation.costs import cache_key, load_or_calibrate
 
     if requested not in compiled.CHOICES:
         raise ValueError(f"--compile must be one of {', '.join(compiled.CHOICES)}, got {requested!r}")

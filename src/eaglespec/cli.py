@@ -76,7 +76,7 @@ def cmd_generate(args) -> int:
     from .api import generate, load_engine, parse_inputs, read_jsonl
     from .engine import AUTO_MAX_DEPTH
     from .sampling import SamplingParams
-    from .spec.proposer import TreeShape
+    from .speculation.proposer import TreeShape
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt is None and args.input is None:

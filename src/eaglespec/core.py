@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import ContextLengthError
+from .kv_cache import ContextLengthError, causal_mask
 from .sampling import BatchSampling, SamplingParams, make_generator, token_scores
-from .spec.ngram import NgramIndex, merge_chains
-from .spec.policy import observe_acceptance
-from .spec.proposer import causal_mask
-from .spec.synthetic import accept_synthetic
-from .spec.tree import root_only
-from .spec.verify import accept_greedy
+from .speculation.ngram import NgramIndex, merge_chains
+from .speculation.policy import observe_acceptance
+from .speculation.synthetic import accept_synthetic
+from .speculation.tree import root_only
+from .speculation.verify import accept_greedy
 from .stats import SpecStats
 
 PENDING_PAIRS_MAX = 16  # drafter pairs queued by plain steps that a catch-up extend feeds (see _append_pending)

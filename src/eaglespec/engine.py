@@ -18,9 +18,9 @@ from .models.drafter import Eagle3Drafter, check_pair
 from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
 from .sampling import SamplingParams
-from .spec.costs import load_or_calibrate
-from .spec.policy import Policy
-from .spec.proposer import EagleProposer, TreeShape
+from .speculation.costs import load_or_calibrate
+from .speculation.policy import Policy
+from .speculation.proposer import EagleProposer, TreeShape
 from .stats import SpecStats
 
 StreamCallback = Callable[[int, list[int]], None]
@@ -59,7 +59,7 @@ class BatchOutput:
 class Engine:
     """Lossless speculative generation with an EAGLE-3/3.1 drafter (or plain decoding without one).
 
-    mode: "auto" (the cost-aware policy, spec/policy.py, picks width, depth and nodes per step from
+    mode: "auto" (the cost-aware policy, speculation/policy.py, picks width, depth and nodes per step from
     calibrated costs; `tree` gives the maximum depth), "tree" (EAGLE-2 dynamic tree of `tree` shape),
     "chain" (`chain_k` tokens), "off".
     adaptive: plain steps while speculation measures slower (never changes output); False forces it.

@@ -213,3 +213,11 @@ class KVCache:
         for cache in self.k + self.v:
             cache[r, :, dst] = cache[r, :, src]  # gather first, then scatter: overlap-safe
         self.commit(rows, counts)
+
+
+def causal_mask(counts: torch.Tensor, t: int) -> torch.Tensor:
+    """[B, T, T] causal mask over T new tokens of which the first counts[b] are real."""
+    idx = torch.arange(t, device=counts.device)
+    valid = idx[None, :] < counts[:, None]
+    causal = idx[None, :, None] >= idx[None, None, :]
+    return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=counts.device)[None]

@@ -83,10 +83,10 @@ def resolve(args) -> tuple[Path, list[Path]]:
 
 
 def parse_profile(text: str | None) -> list[float] | None:
-    """'0.9,0.8' -> [0.9, 0.8], checked by spec/synthetic.check_profile; None when not given."""
+    """'0.9,0.8' -> [0.9, 0.8], checked by speculation/synthetic.check_profile; None when not given."""
     if text is None:
         return None
-    from ..spec.synthetic import check_profile
+    from ..speculation.synthetic import check_profile
 
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -129,7 +129,7 @@ def parse_limit(text: str | None, default: int | None) -> int | None:
 
 def cmd_bench(args) -> int:
     from ..sampling import SamplingParams
-    from ..spec.proposer import TreeShape
+    from ..speculation.proposer import TreeShape
     from . import report as rep
     from .hardware import bandwidth_reference
     from .methods import OUR_KINDS, build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance

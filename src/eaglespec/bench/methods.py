@@ -21,7 +21,7 @@ from ..api import load_tokenizer, stop_ids_for
 from ..engine import AUTO_MAX_DEPTH, AUTO_MAX_NODES, AUTO_WIDTHS, Engine, Request
 from ..models.drafter import load_drafter
 from ..sampling import SamplingParams
-from ..spec.proposer import TreeShape
+from ..speculation.proposer import TreeShape
 from ..stats import SpecStats
 
 OUR_KINDS = ("plain", "auto", "chain", "tree")  # auto: the cost-aware policy (generate's default)
@@ -216,7 +216,7 @@ def spec_method(models: Models, label: str, path, drafter, kind: str, *, tree: T
 
 
 def use_synthetic_acceptance(methods: list[Method], profile: list[float]) -> None:
-    """Make our chain/tree methods accept by `profile` (spec/synthetic.py): a cost benchmark whose rows are
+    """Make our chain/tree methods accept by `profile` (speculation/synthetic.py): a cost benchmark whose rows are
     not lossless, so the lossless check leaves them out."""
     for m in methods:
         if isinstance(m, EngineMethod) and m.kind in SPEC_KINDS:

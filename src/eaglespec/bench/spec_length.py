@@ -4,7 +4,7 @@ length that maximises tokens per second under two cost models.
 A chain of k drafted tokens yields 1 + a_1 + ... + a_k tokens per step (a_i: the measured share of steps
 whose first i drafted tokens were all accepted, from a deep chain with speculation forced). It costs
 - here (llama.cpp on this CPU): k drafter steps plus one verification over k + 1 tokens, both measured
-  on this machine (spec/costs.py);
+  on this machine (speculation/costs.py);
 - on a bandwidth-bound server (vLLM / SGLang on a GPU at small batch): every forward reads its weights
   once whatever its few tokens, so the step costs target bytes + k x drafter bytes.
 Either choice is a starting point to tune on the serving hardware.
@@ -47,7 +47,7 @@ def measure(target_dir, drafter_dir, *, depth: int = 8, prompts_per_category: in
             max_new_tokens: int = 48) -> LengthChoice:  # fmt: skip
     """Chain acceptance with speculation forced at `depth`, on the bundled suites, fp32 greedy."""
     from ..api import generate, load_engine
-    from ..spec.costs import load_or_calibrate
+    from ..speculation.costs import load_or_calibrate
     from .suites import load_prompts
 
     engine = load_engine(target_dir, drafter_dir, mode="chain", chain_k=depth, adaptive=False, dtype="fp32")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from ..spec.proposer import TreeShape
+from ..speculation.proposer import TreeShape
 from .methods import Method, Models, plain_method, shape_settings, spec_method
 from .metrics import add_speedups, summarize
 from .runner import RunConfig, measure, warm_up

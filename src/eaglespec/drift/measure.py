@@ -9,10 +9,10 @@ import torch
 
 from ..api import generate
 from ..engine import Engine
+from ..kv_cache import causal_mask
 from ..models.drafter import Eagle3Drafter
 from ..models.llama import LlamaTarget
 from ..sampling import SamplingParams
-from ..spec.proposer import causal_mask
 from .chains import ChainRecord, draft_chains
 
 # A few chat turns and code continuations: the two regimes drafters are trained and served on.

@@ -11,7 +11,7 @@ ends with a handful of graphs whose sizes (tokens per row, cache span, batch) st
 them costs seconds each (tens of seconds in all on 2 cores; inductor's on-disk cache roughly halves it
 for the next process), which is why `--compile auto` compiles only where a measurement on this machine
 said compiled steps are faster, and, for a finite job, only when the time saved pays for compiling
-(`decide`). The measurement is cached on disk next to the calibration (spec/costs.py).
+(`decide`). The measurement is cached on disk next to the calibration (speculation/costs.py).
 
 Losslessness: plain steps and verification forwards of a compiled model both run the compiled graphs;
 `api.load_target_for_speculation` checks, as for any precision, that a token's logits in a verification

@@ -172,7 +172,7 @@ def prepare_for_inference(model: nn.Module, traceable: bool = False) -> nn.Modul
 def kernel_signature(model: nn.Module) -> str:
     """Which fused or wrapped matmuls run packed (P) or through F.linear (F), in module order (linears
     left unwrapped always run F.linear): step costs measured with one choice do not hold for another
-    (spec/costs.py keys its cache by this)."""
+    (speculation/costs.py keys its cache by this)."""
     marks = []
     for m in model.modules():
         fast = [getattr(m, "_qkv", None), getattr(m, "_gate_up", None), getattr(m, "fast", None)]

@@ -8,7 +8,7 @@ emulated and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick me
 models/fast_linear.py) on the
 model's own matrix shapes (one token, as in plain decoding, and 17 tokens, as in verifying a tree)
 says it is faster; fp32 otherwise. CUDA: bf16 where supported, else fp16.
-The measurement (well under a second) is cached with the calibration files (spec/costs.py).
+The measurement (well under a second) is cached with the calibration files (speculation/costs.py).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def tree_plain_gap(target, *, prompt_len: int = 40, tree_len: int = 17, seed: in
     `tree_len`-token verification forward, with this target's loaded precision and kernels. Greedy
     speculation equals plain decoding only while this is far below the gaps between top logits;
     rounding that depends on the number of rows (GEMM or attention blocking) makes it large."""
-    from ..spec.proposer import causal_mask
+    from ..kv_cache import causal_mask
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.cfg.vocab_size, (1, prompt_len + tree_len), generator=g)

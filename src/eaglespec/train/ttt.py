@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, causal_mask
 from ..models.drafter import Eagle3Drafter
 from ..models.llama import LlamaTarget
-from ..spec.proposer import causal_mask
 
 
 @dataclass

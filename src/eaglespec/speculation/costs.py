@@ -1,7 +1,7 @@
 """Calibrated step costs: seconds for a target forward over n tokens per row and for one drafter
 forward over k tokens per row, measured on this machine for this model pair, precision and batch size.
 
-The speculation policy (spec/policy.py) turns these into expected tokens per second. Measuring takes
+The speculation policy (speculation/policy.py) turns these into expected tokens per second. Measuring takes
 a few seconds, so results are cached on disk, keyed by everything that changes them: CPU model,
 thread count, torch version, device, precision, batch size and the models' shapes (not their weights:
 cost does not depend on the values). A corrupt or unreadable cache file is ignored and rewritten.
@@ -229,7 +229,7 @@ def long_context_grid(target, batch: int, grid: list[int]) -> tuple[int, list[in
 def _target_costs(target, capture_aux: bool, batch: int, context: int, grid, gen, sync, repeats) -> dict[int, float]:
     """Seconds of a target forward over n tokens per row (lm_head and argmax included) for n in grid,
     attending over `context` committed positions; repeats(n) timings, the best kept."""
-    from .proposer import causal_mask
+    from ..kv_cache import causal_mask
 
     dev = next(target.parameters()).device
     cache = target.new_cache(batch, max_length=context + max(grid) + 1, initial_capacity=context + max(grid) + 1)

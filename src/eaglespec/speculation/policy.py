@@ -7,7 +7,7 @@ cumulative probability along the path, exp(score_v), estimates this well; we cal
 online: q(v) = min(1, alpha[depth] * exp(score_v)), alpha = observed accepted nodes / predicted. Nodes
 copied from the context (n-grams) get q = beta[j], the measured chance that the first j copied tokens
 are right. A step that verifies the node set S costs C = draft + verify(|S| + 1) seconds (calibrated,
-spec/costs.py) and yields B + sum_S q tokens over B rows, so the policy
+speculation/costs.py) and yields B + sum_S q tokens over B rows, so the policy
 
 - keeps the n best nodes (by q; top-n is ancestor-closed because q never grows along a path) with n
   maximising (B + S_n) / (draft + verify(n + 1)), n = 0 meaning "root only";
@@ -133,7 +133,7 @@ class Policy:
         self.judge_after, self.probe_every, self.ema = judge_after, probe_every, alpha
         # tokens/s of plain steps: from calibration when there is one, refreshed by measured plain steps
         self.plain_rate = costs.batch / costs.verify_cost(1) if costs is not None else None
-        # the calibrated rate is taken at a fixed context (spec/costs.py), often longer than the one being
+        # the calibrated rate is taken at a fixed context (speculation/costs.py), often longer than the one being
         # decoded, where plain steps are cheaper: speculation is judged against measured plain steps
         self.plain_measured = False
         self.batch = costs.batch if costs is not None else None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, causal_mask
 from ..models.drafter import Eagle3Drafter
 from .tree import Candidates, DraftTree, build_tree, root_only
 
@@ -42,14 +42,6 @@ class TreeShape:
     @property
     def kept_nodes(self) -> int:
         return min(self.num_nodes, self.max_candidates)
-
-
-def causal_mask(counts: torch.Tensor, t: int) -> torch.Tensor:
-    """[B, T, T] causal mask over T new tokens of which the first counts[b] are real."""
-    idx = torch.arange(t, device=counts.device)
-    valid = idx[None, :] < counts[:, None]
-    causal = idx[None, :, None] >= idx[None, None, :]
-    return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=counts.device)[None]
 
 
 class EagleProposer:
@@ -93,7 +85,7 @@ class EagleProposer:
 
         Fixed shape (policy None): self.shape's depth, top-k and node count; with `confidence` > 0,
         drafting stops once every frontier node's cumulative probability is below it and nodes below
-        it are not verified (at least one node per step is kept). With a Policy (spec/policy.py):
+        it are not verified (at least one node per step is kept). With a Policy (speculation/policy.py):
         self.shape.depth is the maximum depth, `width` the top-k, and the policy decides after each
         level whether another one pays and how many nodes to verify (possibly none: root only).
         """
