@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 COMPILE_HELP = ("torch.compile the forwards (models/compiled.py): off (default: on 2 cores compiling takes minutes "
@@ -35,34 +36,52 @@ def cpu_flags() -> set[str]:
 
 
 def cache_dir() -> Path:
-    """$EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec: calibrations, precision and bandwidth measurements."""
-    return Path(os.environ.get("EAGLESPEC_CACHE_DIR") or Path.home() / ".cache" / "eaglespec")
+    """$EAGLESPEC_CACHE_DIR, else $XDG_CACHE_HOME/eaglespec (default ~/.cache/eaglespec): every measurement
+    cache (calibrated step costs, precision, compile and int8-kernel choices, memory bandwidth, settings
+    tuned by `bench --auto`) and the `bench --shape` models."""
+    env = os.environ.get("EAGLESPEC_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eaglespec"
 
 
-def read_cached(name: str) -> dict:
-    """The measurement cache `name` (a JSON object in cache_dir()); {} when missing or unreadable, so the
-    caller measures again and rewrites it."""
-    path = cache_dir() / name
+def cache_file(name: str | os.PathLike) -> Path:
+    """Where the measurement cache `name` lives: a file name is a file in cache_dir(); a path object is
+    used as it is (a caller's own file: a test's, $EAGLESPEC_TUNED_FILE)."""
+    return Path(name) if isinstance(name, os.PathLike) else cache_dir() / name
+
+
+def read_cached(name: str | os.PathLike, *, what: str | None = None) -> dict:
+    """The measurement cache `name` (a JSON object, cache_file(name)); {} when missing or unreadable, so
+    the caller measures again and rewrites it. `what` names the cache in a warning about an unreadable
+    file (else it is ignored silently)."""
+    path = cache_file(name)
     try:
         raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        if what is not None:
+            warnings.warn(f"ignoring unreadable {what} cache {path} ({e}); it will be rebuilt", stacklevel=3)
         return {}
-    return raw if isinstance(raw, dict) else {}
+    return raw
 
 
-def write_cached(name: str, key: str, value) -> None:
+def write_cached(name: str | os.PathLike, key: str, value) -> OSError | None:
     """Add one entry to the cache `name`, re-read first (another process may have added entries) and
-    written through a temporary file; a read-only home only means measuring again next time."""
-    entries = read_cached(name)
+    written through a temporary file (readers never see half a file). Returns the error that kept it
+    from being written, or None: for most caches a read-only home only means measuring again next time."""
+    path = cache_file(name)
+    entries = read_cached(path)
     entries[key] = value
-    path = cache_dir() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.write_text(json.dumps(entries, indent=1) + "\n")
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError as e:
+        return e
+    return None
 
 
 def best_seconds(fn, repeats: int, warmup: int = 1) -> float:

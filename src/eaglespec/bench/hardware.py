@@ -3,21 +3,20 @@
 Decoding at batch 1 reads every weight once per target forward, so the achieved weight bandwidth
 (metrics.py) over this measured read bandwidth says how close a method runs to the memory roof.
 The measurement (~1 s) runs once per CPU model, torch thread count and torch version, and is cached
-in ~/.cache/eaglespec/hardware.json ($EAGLESPEC_CACHE_DIR replaces ~/.cache/eaglespec).
+(machine.read_cached: hardware.json in machine.cache_dir()).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import torch
 
-from ..machine import cache_dir, cpu_name
+from ..machine import cpu_name, read_cached, write_cached
 
 READ_BYTES = 1 << 30  # far above any last-level cache, so the sum streams from DRAM
 REPEATS = 4
+CACHE = "hardware.json"  # in machine.cache_dir()
 METHOD = "best of 4 torch.sum over a 1 GiB fp32 tensor at the current torch thread count"
 
 
@@ -48,24 +47,12 @@ def memory_bandwidth_gbs(*, refresh: bool = False) -> float:
 
 def bandwidth_reference(*, refresh: bool = False) -> dict:
     """{"read_gb_s", "method", "cpu", "threads", "torch", "cached"}: the measured (or cached) reference."""
-    path = cache_dir() / "hardware.json"
     key = cache_key()
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        saved = {}
-    entry = saved.get(key) if not refresh else None
+    entry = read_cached(CACHE).get(key) if not refresh else None
     cached = isinstance(entry, dict) and isinstance(entry.get("read_gb_s"), (int, float))
     if not cached:
         entry = {"read_gb_s": measure_read_bandwidth(), "method": METHOD,
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
-        saved[key] = entry
-        try:  # a read-only home only loses the cache
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(saved, indent=1) + "\n")
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_cached(CACHE, key, entry)  # a read-only home only loses the cache
     return {"read_gb_s": float(entry["read_gb_s"]), "method": entry.get("method", METHOD), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "cached": cached}  # fmt: skip

@@ -2,23 +2,23 @@
 forward over k tokens per row, measured on this machine for this model pair, precision and batch size.
 
 The speculation policy (speculation/policy.py) turns these into expected tokens per second. Measuring takes
-a few seconds, so results are cached on disk, keyed by everything that changes them: CPU model,
-thread count, torch version, device, precision, batch size and the models' shapes (not their weights:
-cost does not depend on the values). A corrupt or unreadable cache file is ignored and rewritten.
+a few seconds, so results are cached (machine.read_cached: calibration.json in machine.cache_dir()),
+keyed by everything that changes them: CPU model, thread count, torch version, device, precision, batch
+size and the models' shapes (not their weights: cost does not depend on the values). A corrupt or
+unreadable cache file is ignored with a warning and rewritten.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..machine import best_seconds, cache_dir, cpu_name
+from ..machine import best_seconds, cache_file, cpu_name, read_cached, write_cached
 from ..models.compiled import is_compiled
 from ..models.fast_linear import kernel_signature
 
@@ -32,6 +32,7 @@ LONG_MAX_TOKENS = 512
 LONG_CACHE_POSITIONS = 65536  # batch x context of the long measurement's cache (memory)
 CONTEXT_STEP = 128  # the context a cost is asked for is rounded to this (the policy's table is cached)
 FORMAT = 2
+CACHE = "calibration.json"  # in machine.cache_dir()
 
 
 @dataclass
@@ -139,40 +140,23 @@ def cache_key(target, drafter, batch: int) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _read_cache(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        return raw
-    except (OSError, ValueError) as e:
-        warnings.warn(f"ignoring unreadable calibration cache {path} ({e}); it will be rebuilt", stacklevel=3)
-        return {}
-
-
 def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None, force: bool = False) -> StepCosts:
     """Cached costs for this machine/model/precision/batch, measured (a few seconds) when missing
-    or when `force` (the policy found the cached ones far from what it measures)."""
-    path = path or cache_dir() / "calibration.json"
+    or when `force` (the policy found the cached ones far from what it measures). `path`: another
+    cache file than machine.cache_dir()'s CACHE."""
+    name = path or CACHE
     key = cache_key(target, drafter, batch)
-    entries = _read_cache(path)
-    if key in entries and not force:
+    entry = read_cached(name, what="calibration").get(key)
+    if entry is not None and not force:
         try:
-            return StepCosts.from_json(entries[key])
+            return StepCosts.from_json(entry)
         except (KeyError, TypeError, ValueError) as e:
-            warnings.warn(f"ignoring a corrupt calibration entry in {path} ({e}); recalibrating", stacklevel=2)
+            warnings.warn(f"ignoring a corrupt calibration entry in {cache_file(name)} ({e}); recalibrating",
+                          stacklevel=2)  # fmt: skip
     costs = calibrate(target, drafter, batch)
-    entries = _read_cache(path)  # re-read: another process may have added entries meanwhile
-    entries[key] = costs.to_json()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home still works, just without the cache
-        warnings.warn(f"could not write calibration cache {path}: {e}", stacklevel=2)
+    error = write_cached(name, key, costs.to_json())
+    if error is not None:  # a read-only home still works, just without the cache
+        warnings.warn(f"could not write calibration cache {cache_file(name)}: {error}", stacklevel=2)
     return costs
 
 
