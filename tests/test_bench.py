@@ -238,7 +238,7 @@ def test_auto_saves_settings_that_generate_uses(toy, tmp_path, monkeypatch, caps
     entry = next(iter(json.loads(tuned.read_text()).values()))
     best = json.loads((tmp_path / "a" / "sweep_tree.json").read_text())["best"]["EAGLE-3.1"]
     assert entry["settings"] == best["settings"] and entry["settings"]["mode"] in ("chain", "tree")
-    from eaglespec.bench.tuned import describe
+    from eaglespec.speculation.tuned import describe
 
     capsys.readouterr()
     assert main(gen) == 0
@@ -247,6 +247,18 @@ def test_auto_saves_settings_that_generate_uses(toy, tmp_path, monkeypatch, caps
     assert f"[eaglespec] mode={entry['settings']['mode']} " in cap.out
     assert main(gen + ["--tree-depth", "3"]) == 0  # any speculation flag: the command line wins
     assert "mode=tree depth=3 topk=4 tokens=16 (command line)" in capsys.readouterr().err
+
+
+def test_tuned_settings_live_in_the_cache_dir(toy, tmp_path, monkeypatch):
+    from eaglespec.speculation.tuned import load_tuned, save_tuned, tuned_path
+
+    monkeypatch.delenv("EAGLESPEC_TUNED_FILE", raising=False)
+    monkeypatch.setenv("EAGLESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    settings = {"mode": "chain", "chain_k": 3}
+    assert save_tuned(*toy, settings) == tuned_path() == tmp_path / "cache" / "tuned.json"
+    assert load_tuned(*toy)["settings"] == settings
+    monkeypatch.setenv("EAGLESPEC_TUNED_FILE", str(tmp_path / "mine.json"))  # the override still wins
+    assert tuned_path() == tmp_path / "mine.json" and load_tuned(*toy) is None
 
 
 @pytest.mark.parametrize("args,needle", [

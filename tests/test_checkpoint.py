@@ -6,8 +6,9 @@ from safetensors.torch import save_file
 
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
-from eaglespec.models.checkpoint import CheckpointError, load_target
+from eaglespec.models.checkpoint import load_target
 from eaglespec.models.drafter import Eagle3Drafter, load_drafter, new_drafter_config, save_drafter
+from eaglespec.models.io import CheckpointError
 from eaglespec.speculation.proposer import TreeShape
 from helpers import random_drafter, tiny_target
 

@@ -17,8 +17,9 @@ import torch
 from eaglespec.cli import main
 from eaglespec.export import export_drafter, open_source
 from eaglespec.export.gguf import permute_rope_rows
-from eaglespec.models.checkpoint import CheckpointError, load_target, load_tensors
+from eaglespec.models.checkpoint import load_target
 from eaglespec.models.drafter import load_drafter, save_drafter
+from eaglespec.models.io import CheckpointError, load_tensors
 from helpers import hf_tiny, random_drafter, save_hf
 
 MODELS = Path(__file__).resolve().parents[1] / "models"

@@ -9,8 +9,9 @@ import torch
 from eaglespec.api import load_engine
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import ContextLengthError, KVCache, causal_mask
-from eaglespec.models.checkpoint import CheckpointError, load_target
+from eaglespec.models.checkpoint import load_target
 from eaglespec.models.drafter import DrafterConfig, save_drafter, set_attention_window
+from eaglespec.models.io import CheckpointError
 from eaglespec.sampling import SamplingParams
 from eaglespec.train.ttt import Batch, cropped_features, target_features
 from helpers import hf_tiny, random_drafter, save_hf

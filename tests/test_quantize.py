@@ -361,7 +361,8 @@ def test_corrupt_or_foreign_quantized_checkpoints_are_refused(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from eaglespec.models.checkpoint import CheckpointError, load_target
+    from eaglespec.models.checkpoint import load_target
+    from eaglespec.models.io import CheckpointError
     from eaglespec.models.quantize import save_quantized
 
     target, _, target_dir = tiny_target(tmp_path, "llama")
@@ -445,7 +446,8 @@ def test_compressed_tensors_checkpoint_loads_and_decodes_like_transformers_on_it
 def test_unsupported_compressed_tensors_configs_are_refused(tmp_path):
     import json
 
-    from eaglespec.models.checkpoint import CheckpointError, load_target
+    from eaglespec.models.checkpoint import load_target
+    from eaglespec.models.io import CheckpointError
 
     src = Path(tiny_target(tmp_path, "llama")[2])
     config = json.loads((src / "config.json").read_text())

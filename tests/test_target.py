@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from eaglespec.kv_cache import causal_mask
-from eaglespec.models.checkpoint import CheckpointError, load_target
+from eaglespec.models.checkpoint import load_target
+from eaglespec.models.io import CheckpointError
 from helpers import FAMILIES, hf_tiny, save_hf
 
 

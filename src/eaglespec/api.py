@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
-from .models.checkpoint import CheckpointError, load_target
+from .models.checkpoint import load_target
 from .models.drafter import load_drafter, set_attention_window
+from .models.io import CheckpointError
 from .sampling import SamplingParams
 from .speculation.proposer import TreeShape
 
@@ -36,8 +37,8 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     kept only if a token's logits in a verification forward match its plain step's there (else fp32),
     so greedy speculation stays identical to plain decoding. quantize: "int8"/"int4" weight-only or
     "w8a8" quantization of the decoder layers (models/quantize.py), applied before that check."""
-    from .models.checkpoint import read_config
     from .models.fast_linear import prepare_for_inference
+    from .models.io import read_config
     from .models.precision import choose_dtype, max_tree_plain_gap, tree_plain_gap
     from .models.quantize import apply_quantize, parse_quantize
 

@@ -82,7 +82,7 @@ def cmd_generate(args) -> int:
     if args.prompt is None and args.input is None:
         raise ValueError("give --prompt TEXT or --input FILE.jsonl")
     target, draft = _resolve_models(args)
-    from .bench.tuned import describe, generate_settings
+    from .speculation.tuned import describe, generate_settings
 
     spec, source = generate_settings(args, target, draft)
     depth = spec["tree_depth"] or (AUTO_MAX_DEPTH if spec["mode"] == "auto" else 4)
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .models.checkpoint import CheckpointError
+    from .models.io import CheckpointError
 
     try:
         return args.func(args)

@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
                    "qwen2-365m or llama-3.2-1b (bench/shapes.py; random token-id prompts)")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=128, help="--shape: tokens per random prompt (default 128)")
     p.add_argument("--auto", action="store_true",
-                   help="quick shape sweep; save the best per drafter for `eaglespec generate` (see bench/tuned.py)")
+                   help="quick shape sweep; save the best per drafter for `eaglespec generate` "
+                   "(see speculation/tuned.py)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -214,11 +215,11 @@ def cmd_bench(args) -> int:
 
 
 def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log) -> int:
+    from ..speculation.tuned import describe, save_tuned
     from . import report as rep
     from . import sweeps
     from .methods import engine_methods
     from .suites import context_prompts, load_prompts
-    from .tuned import describe, save_tuned
 
     max_len = models.target.cfg.max_position_embeddings
     if sweep == "context":

@@ -145,8 +145,8 @@ class HFMethod(Method):
 
 def drafter_labels(drafts: list) -> list[str]:
     """Short names: the EAGLE version when it tells drafters apart, else the folder name."""
-    from ..models.checkpoint import read_config
     from ..models.drafter import DrafterConfig
+    from ..models.io import read_config
 
     versions = [DrafterConfig.from_dict(read_config(d)).eagle_version for d in drafts]
     if len(set(versions)) == len(versions):
@@ -276,7 +276,7 @@ def build_peers(kinds, target_dir, stop_ids, tokenizer, dtype) -> list[Method]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ..models.checkpoint import parse_dtype
+    from ..models.io import parse_dtype
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

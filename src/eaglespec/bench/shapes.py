@@ -152,8 +152,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def ensure_shape(name: str, root: Path | None = None, *, seed: int = 0, log=None) -> tuple[Path, Path]:
     """(target dir, drafter dir) of a built-in shape, written on first use (seeded, bf16)."""
-    from ..models.checkpoint import save_tensors, write_json
     from ..models.drafter import save_drafter
+    from ..models.io import save_tensors, write_json
     from ..models.llama import TargetConfig
 
     shape = get_shape(name)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import CheckpointError, parse_dtype, read_config
 from ..models.drafter import DrafterConfig, Eagle3Drafter, check_pair, drafter_state_dict, load_drafter
+from ..models.io import CheckpointError, parse_dtype, read_config
 
 FORMATS = ("eagle3", "speculators", "gguf")
 
@@ -74,7 +74,7 @@ class Source:
 
 def open_source(drafter_dir, target_dir) -> Source:
     """Load and validate a drafter of any known layout against the target's config."""
-    from ..models.checkpoint import load_tensors
+    from ..models.io import load_tensors
 
     target = TargetInfo.read(target_dir)
     fc = list(load_tensors(drafter_dir, names={"fc.weight", "model.fc.weight"}).values())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import save_tensors, write_json
+from ..models.io import save_tensors, write_json
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..models.checkpoint import CheckpointError, load_tensors
+from ..models.io import CheckpointError, load_tensors
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 LLAMA_ARCH_FAMILIES = ("llama", "mistral")  # model types that llama.cpp runs as its `llama` architecture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import CheckpointError, load_tensors, save_tensors, write_json
+from ..models.io import CheckpointError, load_tensors, save_tensors, write_json
 from .eagle3 import DTYPE_NAMES, rope_parameters
 
 SPECULATORS_VERSION = "0.9.0"  # the version whose loader and forward our external check runs

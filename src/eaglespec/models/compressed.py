@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import CheckpointError
+from .io import CheckpointError
 from .quantize import HELD_DTYPE, INT4_GROUPS, QUANT_METHOD
 
 METHOD = "compressed-tensors"

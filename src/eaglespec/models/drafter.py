@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import KVCache, StepMeta
-from .checkpoint import CheckpointError, load_tensors, parse_dtype, read_config, save_tensors, write_json
+from .io import CheckpointError, load_tensors, parse_dtype, read_config, save_tensors, write_json
 from .layers import MLP, Attention, RMSNorm, Rotary, rope_tables
 
 

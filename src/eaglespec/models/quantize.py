@@ -457,7 +457,7 @@ def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
     """Write a quantized target as an HF-style directory that loads without re-quantizing: config.json
     with a `quantization_config`, model.safetensors (codes/scales/zeros per quantized layer, the other
     tensors as loaded), and the source's tokenizer and generation files."""
-    from .checkpoint import save_tensors, write_json
+    from .io import save_tensors, write_json
 
     q = getattr(target, "quantization", None)
     if q is None:
@@ -465,7 +465,7 @@ def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
     source, out = Path(source_dir), Path(out_dir)
     if out.resolve() == source.resolve():
         raise ValueError(f"--out {out} is the source directory; choose another folder")
-    from .checkpoint import parse_dtype
+    from .io import parse_dtype
 
     config = json.loads((source / "config.json").read_text())
     stored = config.get("torch_dtype") or config.get("dtype") or "float32"
@@ -489,7 +489,7 @@ def save_quantized(target: nn.Module, source_dir, out_dir) -> Path:
 def quantized_shells(model: nn.Module, qcfg: dict, where: str) -> None:
     """Before loading a saved quantized target: replace the decoder layers' linears of a (meta) model
     by empty QuantizedLinear of the saved layout, so the checkpoint's tensors are checked against it."""
-    from .checkpoint import CheckpointError
+    from .io import CheckpointError
 
     if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
         method = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg

@@ -101,7 +101,7 @@ def cmd_regen(args) -> int:
 
 def cmd_vocab(args) -> int:
     _default_target(args)
-    from ..models.checkpoint import read_config
+    from ..models.io import read_config
     from .regen import target_fingerprint
     from .shards import load_samples
     from .vocab import choose_draft_vocab, coverage_report, save_vocab, token_counts

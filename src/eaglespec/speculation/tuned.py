@@ -1,7 +1,7 @@
 """Speculation settings tuned by `eaglespec bench --auto`, read by `eaglespec generate`.
 
-Stored in one JSON file per user and machine: $EAGLESPEC_TUNED_FILE, else
-$XDG_CACHE_HOME/eaglespec/tuned.json (default ~/.cache/eaglespec/tuned.json). Not next to the
+Stored in one JSON file per user and machine: $EAGLESPEC_TUNED_FILE, else tuned.json beside the
+measurement caches (machine.cache_dir(): $EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec). Not next to the
 drafter: model folders may be read-only or tracked by git, and the best settings belong to the
 machine, not to the model. Entries are keyed by the resolved target and drafter paths and carry a
 fingerprint (size and mtime of config.json and the weight files); when a model changes on disk its
@@ -11,22 +11,21 @@ entry no longer applies and generate falls back to the defaults.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
 
+from ..machine import cache_file, read_cached, write_cached
+
 # tree_depth None: 4 for a fixed tree, the policy's maximum (engine.AUTO_MAX_DEPTH) for auto
 DEFAULTS = {"mode": "auto", "tree_depth": None, "tree_topk": 4, "tree_tokens": 16, "chain_k": 4}
 SPEC_ARGS = tuple(DEFAULTS)
+CACHE = "tuned.json"  # in machine.cache_dir()
 
 
 def tuned_path() -> Path:
     env = os.environ.get("EAGLESPEC_TUNED_FILE")
-    if env:
-        return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "eaglespec" / "tuned.json"
+    return Path(env) if env else cache_file(CACHE)
 
 
 def fingerprint(model_dir) -> str:
@@ -43,38 +42,24 @@ def model_key(target, draft) -> str:
     return f"{Path(target).resolve()}|{Path(draft).resolve()}"
 
 
-def read_all(path: Path | None = None) -> dict:
-    path = path or tuned_path()
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def save_tuned(target, draft, settings: dict, measured: dict | None = None, path: Path | None = None) -> Path:
     path = path or tuned_path()
     bad = set(settings) - set(SPEC_ARGS)
     if bad:
         raise ValueError(f"unknown tuned settings {sorted(bad)}")
-    data = read_all(path)
-    data[model_key(target, draft)] = {
+    error = write_cached(path, model_key(target, draft), {
         "target": str(Path(target).resolve()), "draft": str(Path(draft).resolve()),
         "fingerprint": {"target": fingerprint(target), "draft": fingerprint(draft)},
         "settings": settings, "measured": measured or {}, "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    })  # fmt: skip
+    if error is not None:  # unlike a measurement, the user asked for this file
+        raise error
     return path
 
 
 def load_tuned(target, draft, path: Path | None = None) -> dict | None:
     """The saved entry for this target+drafter, or None (missing, or a model changed since)."""
-    entry = read_all(path).get(model_key(target, draft))
+    entry = read_cached(path or tuned_path()).get(model_key(target, draft))
     if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict):
         return None
     if entry.get("fingerprint") != {"target": fingerprint(target), "draft": fingerprint(draft)}:
