@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kv_cache import KVCache, StepMeta
 from .layers import MLP, Attention, RMSNorm, Rotary, rope_tables
-from .quantize import attention_dtype
+from .precision import attention_dtype
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

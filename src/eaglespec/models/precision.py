@@ -1,4 +1,6 @@
-"""`--dtype auto`: the precision this device runs the model fastest in.
+"""Precision rules. `--dtype auto`: the precision this device runs the model fastest in; the precision a
+quantized target attends in (`attention_dtype`); and the gap between a verification forward and a plain
+step that a target may have (`max_tree_plain_gap`, measured by `tree_plain_gap`).
 
 Target and drafter always share the chosen precision, so plain and speculative decoding compute
 their logits with the same kernels' precision and greedy outputs stay identical at that precision.
@@ -89,6 +91,18 @@ def max_tree_plain_gap(target) -> float:
     """The gap this target may have: none for a quantized one, whose layers round their inputs and so turn
     any difference into other tokens (models/quantize.py); MAX_TREE_PLAIN_GAP otherwise."""
     return 0.0 if getattr(target, "quantization", None) is not None else MAX_TREE_PLAIN_GAP
+
+
+def attention_dtype(model: torch.nn.Module, param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The precision a target attends in (and keeps its KV cache in): fp64 for a quantized target on CPU.
+    Why: its quantized layers round their inputs (to bf16, or to int8 steps for W8A8), so a last-bit
+    difference in an attention output between a tree forward and a plain step (~1e-6 in fp32: the
+    summation order changes with the row count) can cross a rounding step and change a token (measured:
+    2 of 16 prompts on the bundled pair with W8A8). In fp64 the two agree to ~1e-15, far below the
+    resolution of the result's precision, so they round to the same bits (tests/test_quantize.py)."""
+    if getattr(model, "quantization", None) is not None and device.type == "cpu":
+        return torch.float64
+    return param_dtype
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ Lossless by construction: plain steps and every verification forward of a quanti
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
 Every kernel here is row-invariant (a row's bits do not depend on the rows beside it), and the rest of
 the forward must be too, because these layers round their inputs (to bf16, or to int8 steps): a
-quantized target attends in fp64 on CPU (`attention_dtype`), so each row of a verification forward
+quantized target attends in fp64 on CPU (precision.attention_dtype), so each row of a verification forward
 equals the plain step bit for bit (tests/test_quantize.py checks every family). Found the hard way:
 with fp32 attention, casting to bf16 around the matmuls changed greedy tokens (Qwen3 test) and W8A8
 changed 2 of 16 bundled prompts.
@@ -405,18 +405,6 @@ def quantize_target(target: nn.Module, bits: int, group: int = DEFAULT_GROUP,
     _replace_decoder_linears(target, lambda linear: QuantizedLinear.from_linear(linear, bits, group, activations))
     target.quantization = quantization_info(bits, group, activations)
     return target
-
-
-def attention_dtype(model: nn.Module, param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The precision a target attends in (and keeps its KV cache in): fp64 for a quantized target on CPU.
-    Why: its quantized layers round their inputs (to bf16, or to int8 steps for W8A8), so a last-bit
-    difference in an attention output between a tree forward and a plain step (~1e-6 in fp32: the
-    summation order changes with the row count) can cross a rounding step and change a token (measured:
-    2 of 16 prompts on the bundled pair with W8A8). In fp64 the two agree to ~1e-15, far below the
-    resolution of the result's precision, so they round to the same bits (tests/test_quantize.py)."""
-    if getattr(model, "quantization", None) is not None and device.type == "cpu":
-        return torch.float64
-    return param_dtype
 
 
 def apply_quantize(target: nn.Module, name: str | None, group: int | None = None) -> nn.Module:
