@@ -13,10 +13,10 @@ from eaglespec.bench import methods as bench_methods
 from eaglespec.bench.methods import EngineMethod, Method, MethodRun, build_methods, load_models, spec_method
 from eaglespec.bench.report import write_bench
 from eaglespec.bench.runner import RunConfig, run_bench
-from eaglespec.bench.suites import CATEGORIES, SUITES_DIR, load_prompts, load_suite
 from eaglespec.cli import main
 from eaglespec.engine import Request
 from eaglespec.speculation.proposer import TreeShape
+from eaglespec.suites import CATEGORIES, SUITES_DIR, load_prompts, load_suite
 from rigged import RiggedProposer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -315,7 +315,7 @@ def test_cli_export_prints_serving_commands(pair, tmp_path, capsys):
 
 
 def test_best_chain_length_trades_acceptance_against_cost():
-    from eaglespec.bench.spec_length import best_chain_length
+    from eaglespec.speculation.chain_length import best_chain_length
 
     acceptance = [0.9, 0.8, 0.1, 0.05]
     # free drafting and flat verification: every accepted token pays, so the deepest chain wins
@@ -368,7 +368,7 @@ def test_gguf_equals_llamacpp_converter_output(outtype, tmp_path):
 def test_llamacpp_runs_our_gguf_export_with_our_greedy_output(tmp_path):
     from eaglespec.api import load_tokenizer
     from eaglespec.bench.peers.interop import check_llamacpp
-    from eaglespec.bench.suites import load_prompts
+    from eaglespec.suites import load_prompts
 
     by_cat, _ = load_prompts(["chat", "code", "docs_qa"], load_tokenizer(TARGET), limit=1, max_new_tokens=32,
                              max_length=4096)  # fmt: skip

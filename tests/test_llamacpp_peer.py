@@ -67,10 +67,10 @@ GREEDY_TOKENS = 32
 def bundled():
     """Our engine's plain greedy outputs on one chat and one code prompt, with the stop ids and tokenizer."""
     from eaglespec.api import load_tokenizer, stop_ids_for
-    from eaglespec.bench.suites import load_prompts
     from eaglespec.engine import Engine, Request
     from eaglespec.models.checkpoint import load_target
     from eaglespec.sampling import SamplingParams
+    from eaglespec.suites import load_prompts
 
     tok = load_tokenizer(TARGET)
     engine = Engine(load_target(TARGET), None, mode="off", tokenizer=tok)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the benchmark prompt suites (src/eaglespec/bench/suites/*.jsonl) from the corpus TEST split.
+"""Build the benchmark prompt suites (src/eaglespec/suites/*.jsonl) from the corpus TEST split.
 
 Only data/corpus/<part>/test.jsonl is read (the held-out split; the drafter and target train on
 train.jsonl), so the suites stay unseen by the models they measure. Deterministic: seeded choices.
@@ -14,7 +14,7 @@ Every item records `source_ids` (the corpus ids it was built from) and `split: "
   context            two held-out texts of ~33K tokens each (Python docs, Shakespeare: each part's test documents
                      in id order) with a needle and its question; `bench --sweep context` cuts them to each length
 
-Usage: python scripts/bench/build_suites.py [--corpus data/corpus] [--out src/eaglespec/bench/suites]
+Usage: python scripts/bench/build_suites.py [--corpus data/corpus] [--out src/eaglespec/suites]
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def build(corpus: Path, out: Path, *, seed: int = 0, tokenizer_file: Path | None
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=str(ROOT / "data/corpus"))
-    ap.add_argument("--out", default=str(ROOT / "src/eaglespec/bench/suites"))
+    ap.add_argument("--out", default=str(ROOT / "src/eaglespec/suites"))
     ap.add_argument("--tokenizer", default=str(ROOT / "models/target/tokenizer.json"),
                     help="tokenizer.json used to size long_context prompts (else 4 characters per token)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)

@@ -11,9 +11,9 @@ import time
 import torch
 
 from eaglespec.api import load_engine, stop_ids_for
-from eaglespec.bench.suites import load_suite, tokenize_suite
 from eaglespec.core import EngineCore
 from eaglespec.engine import Request
+from eaglespec.suites import load_suite, tokenize_suite
 
 CATEGORIES = ("chat", "code", "docs_qa", "summarization")
 

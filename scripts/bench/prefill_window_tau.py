@@ -6,8 +6,8 @@ import time
 import torch
 
 from eaglespec.api import load_engine, stop_ids_for
-from eaglespec.bench.suites import load_suite, tokenize_suite
 from eaglespec.engine import Request
+from eaglespec.suites import load_suite, tokenize_suite
 
 torch.set_num_threads(2)
 eng = load_engine("models/target", "models/drafter-eagle3.1", mode="tree", dtype="fp32", adaptive=False)

@@ -38,8 +38,8 @@ def main() -> int:
     from eaglespec.api import load_tokenizer
     from eaglespec.bench.peers.interop import check_llamacpp, check_speculators, speculators_unavailable
     from eaglespec.bench.peers.llamacpp import not_built_reason
-    from eaglespec.bench.suites import load_prompts
     from eaglespec.machine import cpu_name
+    from eaglespec.suites import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -240,7 +240,7 @@ def cmd_export(args) -> int:
     check_format(src, args.fmt)
     k_cpu = k_gpu = k
     if k is None:
-        from .bench.spec_length import measure
+        from .speculation.chain_length import measure
 
         print("[eaglespec] measuring chain acceptance to choose the speculation length ...", file=sys.stderr)
         c = measure(target, args.drafter)

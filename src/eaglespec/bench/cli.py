@@ -131,12 +131,12 @@ def parse_limit(text: str | None, default: int | None) -> int | None:
 def cmd_bench(args) -> int:
     from ..sampling import SamplingParams
     from ..speculation.proposer import TreeShape
+    from ..suites import load_prompts, parse_categories
     from . import report as rep
     from .hardware import bandwidth_reference
     from .methods import OUR_KINDS, build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance
     from .metrics import add_bandwidth_share
     from .runner import RunConfig, describe_mismatches, run_bench
-    from .suites import load_prompts, parse_categories
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--batch-size and --max-new-tokens must be >= 1")
@@ -216,10 +216,10 @@ def cmd_bench(args) -> int:
 
 def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log) -> int:
     from ..speculation.tuned import describe, save_tuned
+    from ..suites import context_prompts, load_prompts
     from . import report as rep
     from . import sweeps
     from .methods import engine_methods
-    from .suites import context_prompts, load_prompts
 
     max_len = models.target.cfg.max_position_embeddings
     if sweep == "context":

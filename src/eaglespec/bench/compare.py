@@ -44,7 +44,7 @@ class Prompt:
 def build_prompts(tokenizer, *, conversations: int | None = None, formats=tuple(FORMATS), long_limit: int = 3,
                   max_length: int = 32768, max_new_tokens: int = 32) -> list[Prompt]:  # fmt: skip
     """Every condition's prompts, tokenized; `conversations` caps the held-out conversations per suite."""
-    from .suites import load_suite, tokenize_suite
+    from ..suites import load_suite, tokenize_suite
 
     out = []
     for cat in STANDARD:

@@ -62,7 +62,7 @@ class Method:
 
 
 def parse_kinds(text: str | None) -> list[str]:
-    from .suites import parse_choices
+    from ..suites import parse_choices
 
     return list(ALL_KINDS) if text in (None, "all") else parse_choices(text, ALL_KINDS + LLAMACPP_KINDS, "methods")
 

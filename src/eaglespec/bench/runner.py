@@ -20,9 +20,9 @@ import torch
 
 from .. import machine
 from ..sampling import SamplingParams
+from ..suites import Prompt
 from .methods import Method
 from .metrics import Measurement, PeakRSS, add_speedups, combine, summarize
-from .suites import Prompt
 
 
 @dataclass

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from ..suites import load_suite
 from .report import fmt, table, write_json
-from .suites import load_suite
 
 STARTUP_TIMEOUT_S = 300
 
@@ -180,8 +180,8 @@ def _start(system: str, args, target: Path, out: Path, max_conc: int) -> ChildSe
 
 def cmd_bench_serving(args) -> int:
     from ..api import default_models_dir, load_tokenizer
+    from ..suites import parse_choices
     from .runner import cpu_name
-    from .suites import parse_choices
 
     root = default_models_dir()
     target = Path(args.target or root / "target")

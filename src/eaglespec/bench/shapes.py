@@ -214,7 +214,7 @@ def describe(name: str) -> dict:
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> dict:
     """{"random": [Prompt]} of `count` prompts of `length` uniform token ids (seeded; no tokenizer needed)."""
-    from .suites import Prompt
+    from ..suites import Prompt
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (count, length), generator=g).tolist()

@@ -12,10 +12,10 @@ import itertools
 from collections.abc import Callable
 
 from ..speculation.proposer import TreeShape
+from ..suites import Prompt
 from .methods import Method, Models, plain_method, shape_settings, spec_method
 from .metrics import add_speedups, summarize
 from .runner import RunConfig, measure, warm_up
-from .suites import Prompt
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (512, 2048, 4096, 8192, 16384, 32768)

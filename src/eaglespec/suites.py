@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api import parse_inputs
+from .api import parse_inputs
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 CATEGORIES = ("chat", "code", "docs_qa", "summarization", "long_context", "template_perturbed")

@@ -1,5 +1,5 @@
-"""How many draft tokens per step to start other engines with: measured chain acceptance, then the
-length that maximises tokens per second under two cost models.
+"""How many draft tokens per step to start other engines with (`eaglespec export`): measured chain
+acceptance, then the length that maximises tokens per second under two cost models.
 
 A chain of k drafted tokens yields 1 + a_1 + ... + a_k tokens per step (a_i: the measured share of steps
 whose first i drafted tokens were all accepted, from a deep chain with speculation forced). It costs
@@ -7,7 +7,8 @@ whose first i drafted tokens were all accepted, from a deep chain with speculati
   on this machine (speculation/costs.py);
 - on a bandwidth-bound server (vLLM / SGLang on a GPU at small batch): every forward reads its weights
   once whatever its few tokens, so the step costs target bytes + k x drafter bytes.
-Either choice is a starting point to tune on the serving hardware.
+Either choice is a starting point to tune on the serving hardware. measure() runs the whole engine
+(api.load_engine, imported when called) on the bundled prompt suites (suites.py).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def measure(target_dir, drafter_dir, *, depth: int = 8, prompts_per_category: in
             max_new_tokens: int = 48) -> LengthChoice:  # fmt: skip
     """Chain acceptance with speculation forced at `depth`, on the bundled suites, fp32 greedy."""
     from ..api import generate, load_engine
-    from ..speculation.costs import load_or_calibrate
-    from .suites import load_prompts
+    from ..suites import load_prompts
+    from .costs import load_or_calibrate
 
     engine = load_engine(target_dir, drafter_dir, mode="chain", chain_k=depth, adaptive=False, dtype="fp32")
     if engine.tokenizer is None:
