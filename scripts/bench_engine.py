@@ -15,7 +15,7 @@ import torch
 
 from eaglespec.api import load_engine
 from eaglespec.engine import Request
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.tree import TreeShape
 
 
 def main():
@@ -42,7 +42,7 @@ def main():
     for name, kw in methods.items():
         adaptive = kw.pop("adaptive", True)
         engine = load_engine(args.target, args.draft, **kw)
-        engine.adaptive = adaptive
+        engine.configure(adaptive=adaptive)
         vocab = engine.target.cfg.vocab_size
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
         g.manual_seed(0)

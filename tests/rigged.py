@@ -11,13 +11,14 @@ from eaglespec.speculation.tree import Candidates, build_tree
 
 class RiggedProposer(EagleProposer):
     def __init__(self, engine, truth: list[list[int]], vocab: int, break_every: int = 0):
-        super().__init__(engine.drafter, engine.shape)
+        super().__init__(engine.drafter)
+        self.shape = engine.shape
         self.engine, self.truth, self.vocab, self.break_every = engine, truth, vocab, break_every
 
     def propose(self, cache, rows, root, logits, state, **_):
         depth = self.shape.depth
         toks, scores, parents, depths = [], [], [], []
-        for r in self.engine.active_rows:
+        for r in self.engine.core.running:  # the rows this step decodes
             done = len(r.output)
             true = (self.truth[r.id][done : done + depth] + [0] * depth)[:depth]
             if self.break_every and done % self.break_every == 1:  # vary accept lengths

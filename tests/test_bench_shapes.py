@@ -70,12 +70,13 @@ def test_tiny_shape_is_written_once_and_loads(tmp_path, monkeypatch):
     # peaked random draft logits: EAGLE-2 trees of 16 nodes (mostly) reach their full depth 4
     from eaglespec.engine import Engine, Request
     from eaglespec.speculation import proposer as proposer_mod
-    from eaglespec.speculation.proposer import TreeShape
+    from eaglespec.speculation.tree import TreeShape
 
     depths, build = [], proposer_mod.build_tree
     monkeypatch.setattr(proposer_mod, "build_tree", lambda *a: depths.append(build(*a).depth.max()) or build(*a))
-    Engine(target, drafter, tree=TreeShape(4, 4, 16), adaptive=False, synthetic_acceptance=[1.0] * 4).generate(
-        [Request(list(range(1, 17)), 16)])
+    engine = Engine(target, drafter, mode="tree", tree=TreeShape(4, 4, 16), adaptive=False,
+                    synthetic_acceptance=[1.0] * 4)  # fmt: skip
+    engine.generate([Request(list(range(1, 17)), 16)])
     assert depths and min(depths) >= 3 and sum(d == 4 for d in depths) > len(depths) / 2, depths
     # same seed, same weights
     again, _ = ensure_shape("tiny", tmp_path / "again")

@@ -9,7 +9,7 @@ from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
 from eaglespec.models.drafter import Eagle3Drafter, load_drafter, new_drafter_config, save_drafter
 from eaglespec.models.io import CheckpointError
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.tree import TreeShape
 from helpers import random_drafter, tiny_target
 
 H, V = 64, 96

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.core import AdmissionError, EngineCore
+from eaglespec.batch_state import BatchState
 from eaglespec.engine import Engine, Request
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.scheduler import AdmissionError
+from eaglespec.speculation.tree import TreeShape
 from helpers import random_drafter, tiny_target
 
 LONG = 200
@@ -42,7 +43,7 @@ def test_long_prompt_is_prefilled_in_chunks_between_decoding_steps(engine):
     g = torch.Generator().manual_seed(0)
     short = Request(torch.randint(0, 96, (5,), generator=g).tolist(), 60)
     long = Request(torch.randint(0, 96, (LONG,), generator=g).tolist(), 8)
-    core = EngineCore(engine, max_num_seqs=2, max_num_batched_tokens=16)
+    core = engine.new_core(max_num_seqs=2, max_num_batched_tokens=16)
     a = core.add_request(short)
     outputs, _ = _run(core, until=lambda o: a in o)  # the short request is decoding
     b = core.add_request(long)
@@ -56,9 +57,9 @@ def test_long_prompt_is_prefilled_in_chunks_between_decoding_steps(engine):
 
 
 def test_kv_budget_refuses_what_never_fits_and_queues_what_waits(engine):
-    slack = engine.tree_slack
+    slack = engine.spec.tree_slack
     budget = 40 + 20 + slack  # one request of 40 prompt + 20 new tokens fits, two do not
-    core = EngineCore(engine, max_num_seqs=4, kv_budget_tokens=budget)
+    core = engine.new_core(max_num_seqs=4, kv_budget_tokens=budget)
     with pytest.raises(AdmissionError, match=f"KV budget is {budget}"):
         core.add_request(Request(list(range(50)), 20))
     assert not core.has_work  # nothing was queued
@@ -73,7 +74,7 @@ def test_kv_budget_refuses_what_never_fits_and_queues_what_waits(engine):
 
 def test_abort_frees_the_slot_and_leaves_the_others_untouched(engine):
     reqs = [Request([(3 * i + j) % 96 for j in range(12)], 30) for i in range(3)]
-    core = EngineCore(engine, max_num_seqs=2)
+    core = engine.new_core(max_num_seqs=2)
     ids = [core.add_request(r) for r in reqs]
     outputs, _ = _run(core, until=lambda o: ids[0] in o and ids[1] in o)
     assert core.abort(ids[0]) and not core.abort(ids[0]) and not core.abort(12345)
@@ -86,10 +87,10 @@ def test_abort_frees_the_slot_and_leaves_the_others_untouched(engine):
 
 def test_invalid_settings_are_clear_errors(engine):
     with pytest.raises(ValueError, match="max_num_seqs"):
-        EngineCore(engine, max_num_seqs=0)
+        engine.new_core(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineCore(engine, max_num_batched_tokens=-3)
-    core = EngineCore(engine)
+        engine.new_core(max_num_batched_tokens=-3)
+    core = engine.new_core()
     with pytest.raises(ValueError, match="empty"):
         core.add_request(Request([], 4))
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -107,10 +108,10 @@ def test_drafter_prefill_window_feeds_the_last_pairs_and_stays_lossless(engine, 
     reqs = [Request(torch.randint(0, 96, (n,), generator=g).tolist(), 12) for n in lengths]
     plain = Engine(engine.target, prefill_chunk=16)
     expected = [_alone(plain, r) for r in reqs]
-    old = engine.draft_prefill_window
-    engine.draft_prefill_window = window
+    old = engine.spec.draft_prefill_window
+    engine.configure(draft_prefill_window=window or 0)
     try:
-        core = EngineCore(engine, max_num_seqs=3, max_num_batched_tokens=48)
+        core = engine.new_core(max_num_seqs=3, max_num_batched_tokens=48)
         ids = [core.add_request(r) for r in reqs]
         outputs, fed = {}, {}
         while core.has_work:
@@ -124,25 +125,24 @@ def test_drafter_prefill_window_feeds_the_last_pairs_and_stays_lossless(engine, 
         assert fed == {n: n - 1 if window is None else min(window, n - 1) for n in lengths}
         assert [outputs[i] for i in ids] == expected
     finally:
-        engine.draft_prefill_window = old
+        engine.configure(draft_prefill_window=old)
 
 
 def test_drafter_prefill_window_is_validated(engine):
     with pytest.raises(ValueError, match="draft_prefill_window"):
         Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=-1)
-    assert Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=0).draft_prefill_window is None
+    assert Engine(engine.target, engine.drafter, mode="tree", draft_prefill_window=0).spec.prefill_window is None
 
 
 def test_pending_drafter_pairs_keep_each_rows_latest_in_order():
-    from eaglespec.core import _append_pending
-
-    state = {"ids": torch.tensor([[7, 0], [8, 9]]), "aux": torch.tensor([[[7.0], [0.0]], [[8.0], [9.0]]]),
-             "cnt": torch.tensor([1, 2])}  # fmt: skip
+    state = BatchState(torch.tensor([0, 0]), torch.tensor([[7, 0], [8, 9]]),
+                       torch.tensor([[[7.0], [0.0]], [[8.0], [9.0]]]), torch.tensor([1, 2]))  # fmt: skip
     for tok in range(10, 14):
-        state = _append_pending(state, torch.tensor([[float(tok)], [float(tok)]]), torch.tensor([tok, tok]), keep=3)
-    assert state["cnt"].tolist() == [3, 3]
-    assert state["ids"].tolist() == [[11, 12, 13], [11, 12, 13]]
-    assert state["aux"][:, :, 0].tolist() == [[11.0, 12.0, 13.0], [11.0, 12.0, 13.0]]
-    short = _append_pending({"ids": torch.tensor([[5]]), "aux": torch.zeros(1, 1, 1), "cnt": torch.tensor([1])},
-                            torch.ones(1, 1), torch.tensor([6]), keep=3)  # fmt: skip
-    assert short["ids"].tolist() == [[5, 6]] and short["cnt"].tolist() == [2]
+        state = state.with_pending(torch.tensor([tok, tok]), torch.tensor([[float(tok)], [float(tok)]]), keep=3)
+    assert state.cnt.tolist() == [3, 3]
+    assert state.ids.tolist() == [[11, 12, 13], [11, 12, 13]]
+    assert state.aux[:, :, 0].tolist() == [[11.0, 12.0, 13.0], [11.0, 12.0, 13.0]]
+    assert state.root.tolist() == [13, 13]
+    short = BatchState(torch.tensor([5]), torch.tensor([[5]]), torch.zeros(1, 1, 1), torch.tensor([1]))
+    short = short.with_pending(torch.tensor([6]), torch.ones(1, 1), keep=3)
+    assert short.ids.tolist() == [[5, 6]] and short.cnt.tolist() == [2]

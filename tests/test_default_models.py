@@ -8,7 +8,7 @@ import pytest
 
 from eaglespec.api import default_models_dir, generate, load_engine
 from eaglespec.cli import main
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.tree import TreeShape
 
 MODELS = default_models_dir()
 PROMPTS = [[{"role": "user", "content": "hi, how are you doing today?"}], "def read_config(path):\n"]
@@ -36,7 +36,7 @@ def plain():
 def test_default_drafters_are_lossless_and_accept(plain, name, mode):
     prompts, expected = plain
     engine = load_engine(MODELS / "target", MODELS / name, mode=mode, tree=TreeShape(4, 4, 16), chain_k=4)
-    engine.adaptive = False  # always speculate, so acceptance is measured on every step
+    engine.configure(adaptive=False)  # always speculate, so acceptance is measured on every step
     out = generate(engine, prompts, max_new_tokens=40)
     assert [r.output_ids for r in out.results] == expected
     assert out.stats.tau > 1.5, out.stats.tau  # trained drafters, not random ones (tau ~1.0)

@@ -13,7 +13,8 @@ from eaglespec.drift.measure import capture_aux, chain_roots, measure_drafter
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
 from eaglespec.models.drafter import save_drafter
-from eaglespec.speculation.proposer import EagleProposer, TreeShape
+from eaglespec.speculation.proposer import EagleProposer
+from eaglespec.speculation.tree import TreeShape
 from helpers import random_drafter, tiny_target
 
 DEPTH = 5

@@ -10,7 +10,7 @@ from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
 from eaglespec.models.fast_linear import PackedLinear, packing_available, prepare_for_inference
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.tree import TreeShape
 from helpers import FAMILIES, hf_tiny, random_drafter, save_hf, tiny_target
 from rigged import RiggedProposer
 from test_greedy_lossless import _hf_greedy, _prompts
@@ -97,7 +97,7 @@ def test_policy_switching_mid_request_keeps_output(tmp_path):
     for bs in (1, 2, 3, 1):
         out = eng.generate(reqs, batch_size=bs)
         assert [r.output_ids for r in out.results] == plain, bs
-    policy = eng._policies[1]
+    policy = eng.policies._by_batch[1]
     policy.judge_after, policy.backoff = 1, 2
     policy.plain_rate = 1e9  # plain "measures" infinitely fast: speculation must switch off ...
     flips = []
@@ -115,24 +115,25 @@ def test_policy_switching_mid_request_keeps_output(tmp_path):
     out = eng.generate(reqs, batch_size=1)
     assert [r.output_ids for r in out.results] == plain
     assert True in flips and False in flips and sum(a != b for a, b in zip(flips, flips[1:])) >= 4
-    assert set(eng._policies) == {1, 2, 3}
+    assert set(eng.policies._by_batch) == {1, 2, 3}
 
 
 def test_server_start_prepares_every_batch_bucket_and_recalibrates_once(tmp_path, monkeypatch):
     target, _, _ = tiny_target(tmp_path, "llama")
     eng = Engine(target, random_drafter(target), mode="auto")
     assert eng.prepare_policies(5) == [1, 2, 4, 5]
-    assert set(eng._policies) == {1, 2, 4, 5} and all(p.costs.batch == b for b, p in eng._policies.items())
+    policies = eng.policies._by_batch
+    assert set(policies) == {1, 2, 4, 5} and all(p.costs.batch == b for b, p in policies.items())
     calls = []
-    import eaglespec.engine as engine_module
+    import eaglespec.speculation.policies as engine_module
 
     real = engine_module.load_or_calibrate
     monkeypatch.setattr(engine_module, "load_or_calibrate", lambda *a, **k: calls.append(k) or real(*a, **k))
-    policy = eng._policies[2]
+    policy = eng.policies._by_batch[2]
     for _ in range(2):  # persistently 20x off: recalibrate the first time only
         for _ in range(20):
             policy.observe(False, 2, 20 * policy.costs.verify_cost(1), rows=2)
-        assert eng._policy_for(2) is policy
+        assert eng.policies.for_batch(2) is policy
     assert calls == [{"force": True}]
 
 

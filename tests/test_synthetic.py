@@ -7,9 +7,8 @@ import torch
 from eaglespec.engine import Engine, Request
 from eaglespec.sampling import SamplingParams
 from eaglespec.speculation import proposer as proposer_mod
-from eaglespec.speculation.proposer import TreeShape
 from eaglespec.speculation.synthetic import accept_synthetic, check_profile, sample_depths
-from eaglespec.speculation.tree import DraftTree, ancestor_mask, build_tree
+from eaglespec.speculation.tree import DraftTree, TreeShape, ancestor_mask, build_tree
 from helpers import random_drafter, tiny_target
 
 PROFILE = [0.851, 0.645, 0.570, 0.504]  # a vLLM per-position acceptance (EAGLE-3.1 on chat)
@@ -107,7 +106,7 @@ def test_first_kept_child_is_the_top_scoring_child(tmp_path, monkeypatch):
         return build_tree(root, cand, num_nodes, max_depth)
 
     monkeypatch.setattr(proposer_mod, "build_tree", spy)
-    eng = Engine(target, random_drafter(target, scale=0.5), tree=TreeShape(4, 3, 10), adaptive=False)
+    eng = Engine(target, random_drafter(target, scale=0.5), mode="tree", tree=TreeShape(4, 3, 10), adaptive=False)
     eng.generate([Request([3, 1, 4, 1, 5], 12), Request([2, 7, 1], 12)], batch_size=2)
     assert seen
     for cand, num_nodes in seen:

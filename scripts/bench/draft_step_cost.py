@@ -43,7 +43,8 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
 def main():
     from eaglespec.models.checkpoint import load_target
     from eaglespec.models.drafter import load_drafter
-    from eaglespec.speculation.proposer import EagleProposer, TreeShape
+    from eaglespec.speculation.proposer import EagleProposer
+from eaglespec.speculation.tree import TreeShape
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT / "models/target"))

@@ -11,7 +11,6 @@ import time
 import torch
 
 from eaglespec.api import load_engine, stop_ids_for
-from eaglespec.core import EngineCore
 from eaglespec.engine import Request
 from eaglespec.suites import load_suite, tokenize_suite
 
@@ -19,7 +18,7 @@ CATEGORIES = ("chat", "code", "docs_qa", "summarization")
 
 
 def run(engine, prompts, stops, concurrency: int, n: int):
-    core = EngineCore(engine, max_num_seqs=64)
+    core = engine.new_core(max_num_seqs=64)
     sent = done = tokens = 0
     t0 = time.perf_counter()
     while done < n:

@@ -10,7 +10,7 @@ p=None
 for dtype in ["fp32","bf16"]:
   for mode in ["off","tree","auto"]:
     eng = load_engine("models/target", "models/drafter-eagle3.1", mode=mode, dtype=dtype)
-    if mode=="tree": eng.adaptive=False
+    if mode=="tree": eng.configure(adaptive=False)
     if p is None:
         p = eng.tokenizer.apply_chat_template([{"role":"user","content":"How are you today? Tell me about python lists."}], add_generation_prompt=True, tokenize=True)
         if hasattr(p,"keys"): p=p["input_ids"]

@@ -13,7 +13,7 @@ torch.set_num_threads(2)
 eng = load_engine("models/target", "models/drafter-eagle3.1", mode="tree", dtype="fp32", adaptive=False)
 cats = ("chat", "code", "docs_qa", "summarization", "long_context")
 for W in [None] + [int(x) for x in sys.argv[1].split(",")]:
-    eng.draft_prefill_window = W
+    eng.configure(draft_prefill_window=W or 0)
     res = []
     for c in cats:
         ps = [p.ids for p in tokenize_suite(load_suite(c), c, eng.tokenizer)][:6]

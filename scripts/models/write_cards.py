@@ -77,7 +77,7 @@ def measure_taus(target_dir, drafters: dict[str, Path], prompts, max_new_tokens:
     for name, ddir in {"plain": None, **drafters}.items():
         for mode in (("off",) if ddir is None else ("tree", "chain")):
             engine = load_engine(target_dir, ddir, mode=mode)
-            engine.adaptive = False
+            engine.configure(adaptive=False)
             rec = {}
             outputs = {}
             for cat, ps in prompts.items():

@@ -7,12 +7,12 @@ import os
 import time
 from pathlib import Path
 
-from .engine import DRAFT_PREFILL_WINDOW, BatchOutput, Engine, Request
+from .engine import BatchOutput, Engine, Request
 from .models.checkpoint import load_target
 from .models.drafter import load_drafter, set_attention_window
 from .models.io import CheckpointError
 from .sampling import SamplingParams
-from .speculation.proposer import TreeShape
+from .speculation.config import SpecConfig
 
 
 def default_models_dir() -> Path:
@@ -66,46 +66,38 @@ def load_engine(
     target: str | os.PathLike,
     draft: str | os.PathLike | None = None,
     *,
-    mode: str = "auto",
-    tree: TreeShape | None = None,
-    chain_k: int = 4,
     device: str = "cpu",
     dtype: str = "auto",
-    adaptive: bool = True,
-    confidence: float = 0.0,
-    draft_prefill_window: int | None = None,
     draft_window: int | None = None,
     compile: str = "off",
     expected_tokens: int | None = None,
     quantize: str | None = None,
     quantize_group: int | None = None,
-    ngram_tokens: int | None = None,
+    **spec_fields,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
 
     dtype "auto" picks the fastest lossless precision for the device (models/precision.py); the
-    choice and its reason are in `engine.precision`. draft_prefill_window: the last N prompt tokens
-    the drafter reads at prefill (None: the engine default, 0: the whole prompt). draft_window: the
-    drafter's attention window (None: its config's draft_attention_window, 0: none). compile: "on",
-    "off" or "auto" (models/compiled.py; `expected_tokens` is the job's size, None for a server);
-    the choice and its reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only (or "w8a8")
-    quantization of the target's decoder layers (models/quantize.py; speculation is lossless against
-    the quantized target), int4 in groups of `quantize_group` input channels. ngram_tokens: context
-    n-gram candidates merged into each draft (hybrid proposer; None: the engine's default for the mode)."""
+    choice and its reason are in `engine.precision`. draft_window: the drafter's attention window
+    (None: its config's draft_attention_window, 0: none). compile: "on", "off" or "auto"
+    (models/compiled.py; `expected_tokens` is the job's size, None for a server); the choice and its
+    reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only (or "w8a8") quantization of
+    the target's decoder layers (models/quantize.py; speculation is lossless against the quantized
+    target), int4 in groups of `quantize_group` input channels. spec_fields: how to speculate, the
+    fields of speculation/config.SpecConfig (mode, tree, chain_k, adaptive, confidence, ngram_tokens,
+    draft_prefill_window), with its defaults."""
     import torch
 
+    spec = SpecConfig(**spec_fields)  # bad settings fail before anything loads
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
     tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,
                                                   quantize_group=quantize_group)  # fmt: skip
     drafter = None
-    if draft is not None and mode != "off":
+    if draft is not None and spec.speculates:
         drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
         set_attention_window(drafter, draft_window, tgt.cfg.max_position_embeddings)
-    window = DRAFT_PREFILL_WINDOW if draft_prefill_window is None else draft_prefill_window
-    engine = Engine(tgt, drafter, mode=mode, tree=tree, chain_k=chain_k, tokenizer=load_tokenizer(target),
-                    adaptive=adaptive, confidence=confidence, draft_prefill_window=window,
-                    ngram_tokens=ngram_tokens)  # fmt: skip
+    engine = Engine(tgt, drafter, spec, tokenizer=load_tokenizer(target))
     engine.precision = (dtype, why)
     engine.compiled = choose_compile(engine, compile, expected_tokens)
     return engine

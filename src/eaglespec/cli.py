@@ -76,7 +76,7 @@ def cmd_generate(args) -> int:
     from .api import generate, load_engine, parse_inputs, read_jsonl
     from .engine import AUTO_MAX_DEPTH
     from .sampling import SamplingParams
-    from .speculation.proposer import TreeShape
+    from .speculation.tree import TreeShape
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt is None and args.input is None:
@@ -191,7 +191,8 @@ def _add_bench(sub):
 
 def cmd_quantize(args) -> int:
     from .models.checkpoint import load_target
-    from .models.quantize import DEFAULT_GROUP, quantize_target, save_quantized, scheme_name
+    from .models.quantize import quantize_target, save_quantized, scheme_name
+    from .models.quantized_linear import DEFAULT_GROUP
 
     activations = None if args.activations == "none" else args.activations
     target = load_target(args.target)

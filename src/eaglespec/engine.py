@@ -1,4 +1,4 @@
-"""The engine: a target (and drafter) with its speculation settings and policy; `generate` runs a batch
+"""The engine: a target (and drafter) with its speculation config and policies; `generate` runs a batch
 of requests to completion as a loop over the step-level core (core.py).
 
 Plain decoding is the same loop with a one-node tree and no drafter. Requests join the batch as
@@ -17,28 +17,18 @@ from .core import EngineCore
 from .models.drafter import Eagle3Drafter, check_pair
 from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
+from .request import Request
 from .sampling import SamplingParams
-from .speculation.costs import load_or_calibrate
+from .speculation.config import SpecConfig
+from .speculation.policies import PolicyBook
 from .speculation.policy import Policy
-from .speculation.proposer import EagleProposer, TreeShape
+from .speculation.proposer import EagleProposer
+from .speculation.tree import TreeShape
 from .stats import SpecStats
 
 StreamCallback = Callable[[int, list[int]], None]
-MODES = ("auto", "tree", "chain", "off")
-AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
-AUTO_MAX_DEPTH = 8
-AUTO_MAX_NODES = 48
-NGRAM_MAX = 8  # most tokens copied from the context per step
-DRAFT_PREFILL_WINDOW = 128  # prompt pairs fed to the drafter at prefill (None: all); BENCHMARKS §10
 
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    params: SamplingParams | None = None  # None: the settings given to generate (or the server's default)
+__all__ = ["BatchOutput", "Engine", "Request", "Result"]
 
 
 @dataclass
@@ -59,75 +49,60 @@ class BatchOutput:
 class Engine:
     """Lossless speculative generation with an EAGLE-3/3.1 drafter (or plain decoding without one).
 
-    mode: "auto" (the cost-aware policy, speculation/policy.py, picks width, depth and nodes per step from
-    calibrated costs; `tree` gives the maximum depth), "tree" (EAGLE-2 dynamic tree of `tree` shape),
-    "chain" (`chain_k` tokens), "off".
-    adaptive: plain steps while speculation measures slower (never changes output); False forces it.
-    confidence: fixed shapes only: stop drafting below this cumulative draft probability.
-    ngram_tokens: hybrid proposer: up to this many tokens copied from the context (prompt lookup) join
-    each step's tree; auto picks how many per step from their measured acceptance (None: 8 for auto,
-    0 for fixed shapes).
-    """
+    spec: how to speculate (speculation/config.py: mode, shape, adaptivity, n-gram copies, the drafter's
+    prefill window); or give its fields as keywords (`Engine(target, drafter, mode="chain", chain_k=3)`).
+    Without a drafter the engine decodes plainly whatever the spec says."""
 
-    def __init__(
-        self,
-        target: LlamaTarget,
-        drafter: Eagle3Drafter | None = None,
-        *,
-        mode: str = "tree",
-        tree: TreeShape | None = None,
-        chain_k: int = 4,
-        tokenizer=None,
-        prefill_chunk: int = 512,
-        max_length: int | None = None,
-        adaptive: bool = True,
-        confidence: float = 0.0,
-        ngram_tokens: int | None = None,
-        synthetic_acceptance: list[float] | None = None,
-        draft_prefill_window: int | None = DRAFT_PREFILL_WINDOW,
-    ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"confidence must be in [0, 1), got {confidence!r}")
-        if mode != "off" and drafter is None:
-            mode = "off"
-        self.target, self.tokenizer = target, tokenizer
+    def __init__(self, target: LlamaTarget, drafter: Eagle3Drafter | None = None, spec: SpecConfig | None = None, *,
+                 tokenizer=None, prefill_chunk: int = 512, max_length: int | None = None,
+                 **spec_fields):  # fmt: skip
+        spec = spec or SpecConfig(**spec_fields)
+        if drafter is None or not spec.speculates:
+            spec, drafter = spec.without_drafter(), None
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         prepare_for_inference(target)
-        self.mode = mode
-        self.drafter = drafter if mode != "off" else None
         self.max_length = max_length or target.cfg.max_position_embeddings
         self.prefill_chunk = prefill_chunk
-        self.shape = None
-        if self.drafter is not None:
-            check_pair(self.drafter, target)
-            prepare_for_inference(self.drafter)
-            if self.drafter.embed_tokens is None:
-                self.drafter.attach_target_embedding(target.model.embed_tokens)
-            target.set_aux_layers(tuple(self.drafter.cfg.aux_layer_ids or ()) or None)
-            if mode == "auto":
-                self.shape = TreeShape(tree.depth if tree else AUTO_MAX_DEPTH, max(AUTO_WIDTHS), AUTO_MAX_NODES)
-            else:
-                self.shape = TreeShape.chain(chain_k) if mode == "chain" else (tree or TreeShape())
-            self.proposer = EagleProposer(self.drafter, self.shape)
+        self.proposer = None
+        if drafter is not None:
+            check_pair(drafter, target)
+            prepare_for_inference(drafter)
+            if drafter.embed_tokens is None:
+                drafter.attach_target_embedding(target.model.embed_tokens)
+            target.set_aux_layers(tuple(drafter.cfg.aux_layer_ids or ()) or None)
+            self.proposer = EagleProposer(drafter)
         self.device = next(target.parameters()).device
-        self.adaptive = adaptive
-        # benchmarks only: accept by a given per-position profile instead of the target (not lossless)
-        self.synthetic_acceptance = list(synthetic_acceptance) if synthetic_acceptance else None
-        self.confidence = confidence
-        if draft_prefill_window is not None and (not isinstance(draft_prefill_window, int) or draft_prefill_window < 0):
-            raise ValueError(f"the drafter's prefill window (draft_prefill_window) must be an integer >= 0 "
-                             f"(0 or None: the whole prompt), got {draft_prefill_window!r}")  # fmt: skip
-        self.draft_prefill_window = draft_prefill_window or None
-        if ngram_tokens is None:
-            ngram_tokens = NGRAM_MAX if mode == "auto" else 0
-        if not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= NGRAM_MAX:
-            raise ValueError(f"ngram_tokens must be an integer in [0, {NGRAM_MAX}], got {ngram_tokens!r}")
-        self.ngram_tokens = ngram_tokens if self.drafter is not None else 0
-        # cache positions a step may write past a row's committed tokens (tree nodes, copied tokens)
-        self.tree_slack = max(self.shape.top_k * self.shape.depth, NGRAM_MAX) + 1 if self.drafter is not None else 1
-        self.policy: Policy | None = None  # of the last step
-        self._policies: dict[int, Policy] = {}  # per batch size: measurements persist across calls
+        self.spec = spec
+        self.policies = PolicyBook(target, drafter, spec)  # per batch size: measurements persist across calls
+        self.policy: Policy | None = None  # of the last generate call's last step
+        self.core: EngineCore | None = None  # of the running (or last) generate call
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    @property
+    def shape(self) -> TreeShape | None:
+        return self.spec.shape
+
+    def configure(self, **changes) -> None:
+        """Change speculation settings (SpecConfig fields) between calls, e.g. adaptive=False; policies
+        keep their measurements."""
+        spec = replace(self.spec, **changes)
+        if spec.speculates and self.drafter is None:
+            raise ValueError("this engine has no drafter: it can only decode plainly")
+        if spec.shape != self.spec.shape:
+            self.policies = PolicyBook(self.target, self.drafter, spec)
+        self.spec = self.policies.spec = spec
+
+    def new_core(self, *, max_num_seqs: int = 1, max_num_batched_tokens: int | None = None,
+                 kv_budget_tokens: int | None = None, default_params: SamplingParams = SamplingParams(),
+                 seed: int | None = None, policy_batch: int | None = None) -> EngineCore:  # fmt: skip
+        """A step-level core on this engine's models, config and policies (the server keeps one)."""
+        return EngineCore(self.target, self.drafter, self.proposer, self.spec, self.policies, tokenizer=self.tokenizer,
+                          max_length=self.max_length, prefill_chunk=self.prefill_chunk, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, kv_budget_tokens=kv_budget_tokens,
+                          default_params=default_params, seed=seed, policy_batch=policy_batch)  # fmt: skip
 
     # -- public API ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -146,15 +121,16 @@ class Engine:
         request reproducible whatever runs beside it."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        core = EngineCore(self, max_num_seqs=batch_size, max_num_batched_tokens=self.prefill_chunk * batch_size,
-                          default_params=replace(params, seed=None), seed=params.seed,
-                          policy_batch=min(batch_size, len(requests)) or 1)  # fmt: skip
+        core = self.new_core(max_num_seqs=batch_size, max_num_batched_tokens=self.prefill_chunk * batch_size,
+                             default_params=replace(params, seed=None), seed=params.seed,
+                             policy_batch=min(batch_size, len(requests)) or 1)  # fmt: skip
         for i, r in enumerate(requests):
             try:
                 core.validate(r)
             except ValueError as e:
                 raise type(e)(f"request {i}: {e}") from None
-        self.policy = self._policy_for(core.policy_batch)  # may calibrate: not timed
+        self.core = core
+        self.policy = self.policies.for_batch(core.policy_batch)  # may calibrate: not timed
         if params.seed is not None and self.device.type == "cpu":
             torch.manual_seed(params.seed)
         t_start = time.perf_counter()
@@ -169,6 +145,7 @@ class Engine:
                     r = requests[out.request_id]
                     results[out.request_id] = Result(r.prompt_ids, out.output_ids, out.finish_reason, out.stats,
                                                      out.text)  # fmt: skip
+        self.policy = core.policy or self.policy
         total = SpecStats()
         for r in results:
             total = total.merge(r.stats)
@@ -203,28 +180,4 @@ class Engine:
     def prepare_policies(self, max_batch: int) -> list[int]:
         """Load or measure the step costs of every batch bucket up to max_batch now (a server does this
         at startup, so no request waits on a calibration); returns the buckets."""
-        buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length())] + [max_batch]
-        buckets = sorted({min(b, max_batch) for b in buckets})
-        if self.drafter is not None:
-            for b in buckets:
-                self._policy_for(b)
-        return buckets
-
-    def _policy_for(self, batch: int) -> Policy | None:
-        if self.drafter is None:
-            return None
-        if batch not in self._policies:
-            if self.mode == "auto":
-                costs = load_or_calibrate(self.target, self.drafter, batch)
-                policy = Policy(costs, widths=AUTO_WIDTHS, max_depth=self.shape.depth, max_nodes=AUTO_MAX_NODES,
-                                adaptive=self.adaptive)  # fmt: skip
-            else:
-                policy = Policy(None, widths=(self.shape.top_k,), max_depth=self.shape.depth, adaptive=self.adaptive)
-            self._policies[batch] = policy
-        policy = self._policies[batch]
-        if policy.costs is not None and not policy.recalibrated and policy.calibration_suspect():
-            policy.costs = load_or_calibrate(self.target, self.drafter, batch, force=True)
-            policy.ratios.clear()
-            policy.recalibrated = True
-        policy.adaptive = self.adaptive
-        return policy
+        return self.policies.prepare(max_batch)

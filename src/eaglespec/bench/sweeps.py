@@ -11,9 +11,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from ..speculation.proposer import TreeShape
+from ..speculation.tree import TreeShape
 from ..suites import Prompt
-from .methods import Method, Models, plain_method, shape_settings, spec_method
+from .engine_methods import Models, plain_method, shape_settings, spec_method
+from .method import Method
 from .metrics import add_speedups, summarize
 from .runner import RunConfig, measure, warm_up
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..core import EngineCore, StepOutput
 from ..engine import Engine, Request
+from ..request import StepOutput
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 from .protocol import ApiError
@@ -61,7 +61,7 @@ class AsyncEngine:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
-        self.core = EngineCore(engine, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        self.core = engine.new_core(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                kv_budget_tokens=kv_budget_tokens)  # fmt: skip
         self._cv = threading.Condition()
         self._commands: list[_Command] = []

@@ -26,6 +26,7 @@ Only what is proposed changes, never what is accepted, so every decision here is
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,20 +112,38 @@ def level_pays(value_now: float, tokens_now: float, seconds_now: float, n_now: i
 
 @dataclass
 class StepPlan:
+    """A speculative step's shape, decided by the policy level by level (the proposer's DraftShape):
+    width `top_k`, at most `depth` levels, each further level and the verified node count chosen to
+    maximise expected tokens per second."""
+
+    policy: Policy
     top_k: int
-    max_depth: int
+    depth: int
+
+    def keep_drafting(self, level: int, scores: torch.Tensor, depths: torch.Tensor,
+                      next_scores: torch.Tensor) -> bool:  # fmt: skip
+        acc, p = self.policy.acceptance, self.policy
+        nxt = acc.eagle_q(next_scores, torch.full_like(next_scores, level + 1, dtype=torch.long))
+        return p.keep_drafting(level, acc.eagle_q(scores, depths), nxt, p.draft_seconds(level, self.top_k))
+
+    def num_nodes(self, scores: torch.Tensor, depths: torch.Tensor, levels: int) -> int:
+        p = self.policy
+        return p.node_count(p.acceptance.eagle_q(scores, depths), p.draft_seconds(levels, self.top_k))
 
 
 class Policy:
     """Per batch size: speculation on/off, drafting width and per-step depth/node choices.
 
     costs None: a fixed shape (the caller's); only the on/off decision is made, from measured rates.
-    adaptive False: always speculate (measurements of a forced shape)."""
+    adaptive False: always speculate (measurements of a forced shape). calibrate: measures the costs
+    again (recheck_calibration)."""
 
     def __init__(self, costs: StepCosts | None, *, widths=(1, 2, 4), max_depth: int = 8, max_nodes: int = 64,
                  adaptive: bool = True, acceptance: AcceptanceModel | None = None,
-                 judge_after: int = 3, probe_every: int = 48, alpha: float = 0.3):  # fmt: skip
+                 judge_after: int = 3, probe_every: int = 48, alpha: float = 0.3,
+                 calibrate: Callable[..., StepCosts] | None = None):  # fmt: skip
         self.costs = costs
+        self._calibrate = calibrate  # calibrate(force=True) measures the costs again
         if costs is not None:
             widths = tuple(w for w in widths if costs.draft_cost(w) < math.inf) or (1,)
         self.widths = tuple(widths)
@@ -164,7 +183,7 @@ class Policy:
                 self.plain_left = 2  # no measured plain rate yet: measure it
                 return None
         self.width = self._pick_width()
-        return StepPlan(self.width, self.max_depth)
+        return StepPlan(self, self.width, self.max_depth)
 
     @property
     def backing_off(self) -> bool:
@@ -241,6 +260,14 @@ class Policy:
             return False
         mid = sorted(self.ratios[-32:])[len(self.ratios[-32:]) // 2]
         return not 0.5 <= mid <= 2.0
+
+    def recheck_calibration(self) -> None:
+        """Measure the costs again, once, when measured steps stay far from the calibration."""
+        if self.costs is None or self._calibrate is None or self.recalibrated or not self.calibration_suspect():
+            return
+        self.costs = self._calibrate(force=True)
+        self.ratios.clear()
+        self.recalibrated = True
 
     # -- after a step ----------------------------------------------------------------------------
     def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None,

@@ -10,44 +10,62 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..kv_cache import KVCache, causal_mask
 from ..models.drafter import Eagle3Drafter
-from .tree import Candidates, DraftTree, build_tree, root_only
+from .tree import Candidates, DraftTree, TreeShape, build_tree, root_only
+
+
+class DraftShape(Protocol):
+    """The shape a proposer grows a tree to: its width (top-k) and maximum depth, and two decisions,
+    made with what each level showed: draft another level? how many nodes to verify (0: root only)?
+    scores [B, M] cumulative log-probs of the candidates so far and depths [B, M] their depths;
+    next_scores [B, K*K] the guessed cumulative log-probs of the next level's children."""
+
+    top_k: int
+    depth: int
+
+    def keep_drafting(self, level: int, scores: torch.Tensor, depths: torch.Tensor,
+                      next_scores: torch.Tensor) -> bool: ...  # fmt: skip
+
+    def num_nodes(self, scores: torch.Tensor, depths: torch.Tensor, levels: int) -> int: ...
 
 
 @dataclass(frozen=True)
-class TreeShape:
-    """depth: max draft tokens on a path; top_k: children per expanded node and frontier width;
-    num_nodes: draft tokens kept for verification. A chain is top_k=1, num_nodes=depth."""
+class FixedShape:
+    """A fixed tree or chain: every level up to the depth, the `num_nodes` best nodes. With
+    `confidence` > 0, drafting stops once every frontier node's cumulative probability is below it and
+    nodes below it are not verified (at least one node per step is kept)."""
 
-    depth: int = 4
-    top_k: int = 4
-    num_nodes: int = 16
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.num_nodes < 1:
-            raise ValueError(f"tree depth, top-k and node count must be >= 1, got {self}")
-
-    @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(depth=k, top_k=1, num_nodes=k)
+    tree: TreeShape
+    confidence: float = 0.0
 
     @property
-    def max_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k**2
+    def top_k(self) -> int:
+        return self.tree.top_k
 
     @property
-    def kept_nodes(self) -> int:
-        return min(self.num_nodes, self.max_candidates)
+    def depth(self) -> int:
+        return self.tree.depth
+
+    def keep_drafting(self, level, scores, depths, next_scores) -> bool:
+        if self.confidence <= 0:
+            return True
+        frontier = scores[:, depths[0] == level]  # the last level's candidates (the frontier is their top-k)
+        return not bool((frontier < math.log(self.confidence)).all())
+
+    def num_nodes(self, scores, depths, levels) -> int:
+        if self.confidence <= 0:
+            return self.tree.num_nodes
+        return min(self.tree.num_nodes, max(1, int((scores >= math.log(self.confidence)).sum(-1).max())))
 
 
 class EagleProposer:
-    def __init__(self, drafter: Eagle3Drafter, shape: TreeShape):
+    def __init__(self, drafter: Eagle3Drafter):
         self.drafter = drafter
-        self.shape = shape
         self.draft_to_target = drafter.draft_to_target
 
     def extend(self, cache: KVCache, rows, ids, aux, counts, chunk: int = 512):
@@ -79,17 +97,11 @@ class EagleProposer:
                 last_state = torch.where(has, step_state, last_state)
         return last_logits, last_state
 
-    def propose(self, cache: KVCache, rows, root: torch.Tensor, logits, state, *, width: int | None = None,
-                policy=None, confidence: float = 0.0) -> DraftTree:  # fmt: skip
-        """Grow the EAGLE-2 tree from the extend outputs; root [B] is the target's last token.
-
-        Fixed shape (policy None): self.shape's depth, top-k and node count; with `confidence` > 0,
-        drafting stops once every frontier node's cumulative probability is below it and nodes below
-        it are not verified (at least one node per step is kept). With a Policy (speculation/policy.py):
-        self.shape.depth is the maximum depth, `width` the top-k, and the policy decides after each
-        level whether another one pays and how many nodes to verify (possibly none: root only).
-        """
-        depth, k = self.shape.depth, width or self.shape.top_k
+    def propose(self, cache: KVCache, rows, root: torch.Tensor, logits, state, shape: DraftShape) -> DraftTree:
+        """Grow the EAGLE-2 tree from the extend outputs to `shape`; root [B] is the target's last token.
+        The shape decides after each level whether another one is drafted and, at the end, how many
+        nodes are verified (FixedShape here, or the cost-aware policy's speculation/policy.py)."""
+        depth, k = shape.depth, shape.top_k
         b, dev = root.shape[0], root.device
         d2t = self.draft_to_target
         top = logits.float().log_softmax(-1).topk(k, dim=-1)
@@ -103,16 +115,10 @@ class EagleProposer:
         anc = torch.zeros(b, k, 0, dtype=torch.bool, device=dev)
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
         offset, levels = k, 1
-        log_conf = math.log(confidence) if confidence > 0 else None
         for level in range(1, depth):
-            if policy is not None:
-                q = policy.acceptance.eagle_q(torch.cat(scores, 1), _depth_table(scores, depths))
-                # the next level's children, guessed from the conditional log-probs this level showed
-                guess = (f_score[:, :, None] + cond[:, None, :]).reshape(b, k * k)
-                nxt = policy.acceptance.eagle_q(guess, torch.full_like(guess, level + 1, dtype=torch.long))
-                if not policy.keep_drafting(level, q, nxt, policy.draft_seconds(level, k)):
-                    break
-            elif log_conf is not None and bool((f_score < log_conf).all()):
+            # the next level's children, guessed from the conditional log-probs this level showed
+            guess = (f_score[:, :, None] + cond[:, None, :]).reshape(b, k * k)
+            if not shape.keep_drafting(level, torch.cat(scores, 1), _depth_table(scores, depths), guess):
                 break
             seen = torch.cat([anc, eye], dim=-1)  # ancestors (earlier levels) + self
             positions = (last_pos + level).expand(b, k)
@@ -141,13 +147,7 @@ class EagleProposer:
         all_scores = torch.cat(scores, 1)
         depth_t = _depth_table(scores, depths)
         cand = Candidates(torch.cat(tokens, 1), all_scores, torch.cat(parents, 1), depth_t)
-        if policy is not None:
-            q = policy.acceptance.eagle_q(all_scores, depth_t)
-            num_nodes = policy.node_count(q, policy.draft_seconds(levels, k))
-        elif log_conf is not None:
-            num_nodes = min(self.shape.num_nodes, max(1, int((all_scores >= log_conf).sum(-1).max())))
-        else:
-            num_nodes = self.shape.num_nodes
+        num_nodes = shape.num_nodes(all_scores, depth_t, levels)
         if num_nodes == 0:
             return root_only(root)
         return build_tree(root, cand, num_nodes, levels)
