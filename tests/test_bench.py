@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from eaglespec.bench import methods as bench_methods
-from eaglespec.bench.methods import EngineMethod, Method, MethodRun, build_methods, load_models, spec_method
+from eaglespec.bench.engine_methods import EngineMethod, load_models, plain_method, spec_method
+from eaglespec.bench.method import Method, MethodRun
+from eaglespec.bench.methods import build_methods
 from eaglespec.bench.report import write_bench
 from eaglespec.bench.runner import RunConfig, run_bench
 from eaglespec.cli import main
@@ -39,7 +41,7 @@ class RiggedTree(EngineMethod):
 
     def run(self, prompts, max_new_tokens, params, batch_size):
         eng = self.engine
-        plain = bench_methods.plain_method(self.models).engine
+        plain = plain_method(self.models).engine
         truth = [r.output_ids for r in plain.generate([Request(p, max_new_tokens) for p in prompts]).results]
         eng.proposer = RiggedProposer(eng, truth, eng.target.cfg.vocab_size, break_every=3)
         return super().run(prompts, max_new_tokens, params, batch_size)

@@ -98,7 +98,7 @@ def parse_profile(text: str | None) -> list[float] | None:
 
 def check_shape_args(args, kinds: list[str], profile) -> list[str]:
     """Errors for combinations the shape/synthetic modes do not support; the methods a --shape run measures."""
-    from .methods import OUR_KINDS
+    from .engine_methods import OUR_KINDS
 
     if (args.shape or profile) and (args.sweep or args.auto):
         raise ValueError("--shape and --synthetic-acceptance make a plain report; they cannot be used with "
@@ -133,8 +133,9 @@ def cmd_bench(args) -> int:
     from ..speculation.proposer import TreeShape
     from ..suites import load_prompts, parse_categories
     from . import report as rep
+    from .engine_methods import OUR_KINDS, compile_models, load_models, use_synthetic_acceptance
     from .hardware import bandwidth_reference
-    from .methods import OUR_KINDS, build_methods, compile_models, load_models, parse_kinds, use_synthetic_acceptance
+    from .methods import build_methods, parse_kinds
     from .metrics import add_bandwidth_share
     from .runner import RunConfig, describe_mismatches, run_bench
 
@@ -219,7 +220,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
     from ..suites import context_prompts, load_prompts
     from . import report as rep
     from . import sweeps
-    from .methods import engine_methods
+    from .engine_methods import engine_methods
 
     max_len = models.target.cfg.max_position_embeddings
     if sweep == "context":

@@ -21,7 +21,7 @@ import torch
 from .. import machine
 from ..sampling import SamplingParams
 from ..suites import Prompt
-from .methods import Method
+from .method import Method
 from .metrics import Measurement, PeakRSS, add_speedups, combine, summarize
 
 

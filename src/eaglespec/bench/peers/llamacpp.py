@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from ...stats import SpecStats
-from ..methods import Method, MethodRun
+from ..method import Method, MethodRun
 
 KINDS = ("llamacpp_plain", "llamacpp_eagle3")
 SERVER = "llama-server"
