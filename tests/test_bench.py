@@ -17,7 +17,7 @@ from eaglespec.bench.report import write_bench
 from eaglespec.bench.runner import RunConfig, run_bench
 from eaglespec.cli import main
 from eaglespec.engine import Request
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.config import TreeShape
 from eaglespec.suites import CATEGORIES, SUITES_DIR, load_prompts, load_suite
 from rigged import RiggedProposer
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..api import load_tokenizer, stop_ids_for
-from ..engine import AUTO_MAX_DEPTH, AUTO_MAX_NODES, AUTO_WIDTHS, Engine, Request
+from ..engine import Engine, Request
 from ..models.drafter import load_drafter
-from ..speculation.proposer import TreeShape
+from ..speculation.config import TreeShape
 from .method import Method, MethodRun, tensor_bytes, weight_bytes_per_forward
 
 OUR_KINDS = ("plain", "auto", "chain", "tree")  # auto: the cost-aware policy (generate's default)
@@ -112,7 +112,7 @@ def spec_method(models: Models, label: str, path, drafter, kind: str, *, tree: T
                     adaptive=adaptive, **window)  # fmt: skip
     settings = {"drafter": str(path), "eagle_version": drafter.cfg.eagle_version, "adaptive": adaptive,
                 "draft_attention_window": drafter.cfg.draft_attention_window,
-                "draft_prefill_window": engine.draft_prefill_window, **shape_settings(kind, engine.shape)}
+                "draft_prefill_window": engine.spec.prefill_window, **shape_settings(kind, engine.shape)}
     return EngineMethod(name or f"{kind}[{label}]", kind, engine, settings)
 
 
@@ -121,7 +121,7 @@ def use_synthetic_acceptance(methods: list[Method], profile: list[float]) -> Non
     not lossless, so the lossless check leaves them out."""
     for m in methods:
         if isinstance(m, EngineMethod) and m.kind in SPEC_KINDS:
-            m.engine.synthetic_acceptance = list(profile)
+            m.engine.configure(synthetic_acceptance=tuple(profile))
             m.lossless = False
             m.settings["synthetic_acceptance"] = list(profile)
 
@@ -145,7 +145,7 @@ def engine_methods(models: Models, kinds: list[str], *, tree: TreeShape, chain_k
     for label, path, drafter in models.drafters:
         for kind in SPEC_KINDS:
             if kind in kinds:
-                shape = tree if kind != "auto" else TreeShape(AUTO_MAX_DEPTH, max(AUTO_WIDTHS), AUTO_MAX_NODES)
+                shape = tree if kind != "auto" else None  # auto: the policy's maxima (speculation/config.py)
                 methods.append(spec_method(models, label, path, drafter, kind, tree=shape, chain_k=chain_k,
                                            adaptive=adaptive))  # fmt: skip
     return methods

@@ -10,7 +10,7 @@ import torch
 
 from ..api import stop_ids_for
 from ..engine import Engine
-from ..speculation.proposer import TreeShape
+from ..speculation.config import TreeShape
 from .engine_methods import OUR_KINDS, Models, engine_methods
 from .method import Method
 from .peers import llamacpp, transformers_generate

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from ..speculation.proposer import TreeShape
+from ..speculation.config import TreeShape
 from ..suites import Prompt
 from .engine_methods import Models, plain_method, shape_settings, spec_method
 from .method import Method
