@@ -1,4 +1,4 @@
-"""Training-time test (reference §4): the drafter unrolled on its own hidden states for `depth` steps.
+"""Training-time test: the drafter unrolled on its own hidden states for `depth` steps.
 
 Row t of step 0 pairs the target's captured states at position t with the token x[t+1] and predicts
 x[t+2]. Step k feeds back the drafter's own state from step k-1 with the teacher-forced token
@@ -10,9 +10,9 @@ Loss (soft cross-entropy against the target restricted to the draft vocabulary, 
     loss_k(sample) = -1/T * sum_t mask_k[t] * sum_v p_k[t, v] * log q_k[t, v]
     loss = mean over samples of sum_k decay**k * loss_k
 mask_k[t] = (token x[t+2+k] is an assistant token) and (target argmax at t+1+k is in the draft vocab).
-Dividing by each sample's own length T is the reference's mean over rows at micro-batch size 1, so
+Dividing by each sample's own length T is the reference code's mean over rows at micro-batch size 1, so
 the loss does not depend on how samples are batched or padded (and DDP equals one process).
-Decision (reference §4.2 quirk): the reference masks step k with loss_mask[t+k], two positions before
+Decision (a quirk of the reference code): it masks step k with loss_mask[t+k], two positions before
 the predicted token; we mask with the predicted token's own flag, which is what the mask means.
 """
 

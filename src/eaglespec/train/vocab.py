@@ -1,6 +1,6 @@
 """`eaglespec data vocab`: the draft vocabulary (d2t / t2d) from assistant-token frequencies.
 
-Reference §3: count target ids where loss_mask == 1, keep the Vd most frequent (ties broken by the
+Count target ids where loss_mask == 1, keep the Vd most frequent (ties broken by the
 smaller id, padded with the smallest unseen ids when fewer than Vd distinct tokens occur), sort them
 ascending; d2t[i] = used[i] - i and t2d[j] = j in used. A target token outside the draft vocabulary
 still works at inference (it is embedded from the full target table and verified normally: the drafter
