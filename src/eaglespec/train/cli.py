@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from ..settings import add_quantize_args
+from ..cli_options import add_quantize_args
 
 
 def add_parsers(sub) -> None:
@@ -79,9 +79,10 @@ def add_parsers(sub) -> None:
 
 
 def _default_target(args) -> None:
-    from ..settings import resolve_models
+    if args.target is None:
+        from ..api import default_models_dir
 
-    args.target = str(resolve_models(args.target)[0])
+        args.target = str(default_models_dir() / "target")
 
 
 def cmd_regen(args) -> int:
