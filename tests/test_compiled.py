@@ -77,16 +77,16 @@ def test_compiled_paths_equal_eager_plain(pair):
 @pytest.fixture
 def w8a8_onednn(monkeypatch):
     """W8A8 layers whose eager kernel is oneDNN's where it is exact here (CPUs with VNNI or AMX): its
-    packed weight is opaque to inductor, so compiled graphs need their own kernels (models/quantize.py)."""
-    from eaglespec.models import quantize
+    packed weight is opaque to inductor, so compiled graphs need their own kernels (models/int8_kernels.py)."""
+    from eaglespec.models import int8_kernels, quantize
 
-    real = quantize._fastest_int8_kernels
-    onednn = "onednn" in quantize._exact_int8_kernels()
+    real = int8_kernels.fastest_int8_kernels
+    onednn = "onednn" in int8_kernels.exact_int8_kernels()
 
     def eager_onednn(shape):
         return ("onednn", "onednn") if onednn else real(shape)
 
-    monkeypatch.setattr(quantize, "_fastest_int8_kernels", eager_onednn)
+    monkeypatch.setattr(int8_kernels, "fastest_int8_kernels", eager_onednn)
     return quantize
 
 

@@ -1,6 +1,7 @@
-"""Quantized targets (models/quantize.py): layers against a dequantize-then-matmul reference, row
-invariance, speculative output equal to the quantized target's own plain output for every family,
-tree/chain/auto, batched, int8 and int4 weight-only and w8a8, and bad input."""
+"""Quantized targets (models/quantize.py, models/quantized_linear.py): layers against a
+dequantize-then-matmul reference, row invariance, speculative output equal to the quantized target's
+own plain output for every family, tree/chain/auto, batched, int8 and int4 weight-only and w8a8, and
+bad input. The int8 kernels themselves: tests/test_int8_kernels.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from torch import nn
 
 from eaglespec.engine import Engine, Request
+from eaglespec.models.int8_kernels import quantize_rows
 from eaglespec.models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
-from eaglespec.models.quantize import SCHEMES, QuantizedLinear, parse_quantize, quantize_rows, quantize_target
+from eaglespec.models.quantize import SCHEMES, parse_quantize, quantize_target
+from eaglespec.models.quantized_linear import QuantizedLinear
 from eaglespec.speculation.proposer import TreeShape
 from helpers import FAMILIES, random_drafter, tiny_target
 from rigged import RiggedProposer
@@ -83,71 +86,8 @@ def test_w8a8_layer_is_the_exact_integer_product_of_rounded_activations_and_row_
     assert torch.equal(q(x.bfloat16()).float(), q(x.bfloat16().float()).bfloat16().float())  # bf16 in: same sums
 
 
-def test_every_exact_int8_kernel_gives_the_same_bits():
-    """The W8A8 layer picks the fastest exact kernel per weight shape: the choice must not change outputs.
-    The chunked fp32 kernel is exact on any CPU, so w8a8 works everywhere."""
-    from eaglespec.models.quantize import EXACT_FP32_K, ROW_FORMAT, _as_format, _exact_int8_kernels, _int8_matmul
-
-    names = _exact_int8_kernels()
-    assert "fp32" in names
-    g = torch.Generator().manual_seed(3)
-    for k in (256, EXACT_FP32_K * 2 + 64):
-        codes = torch.randint(-127, 128, (72, k), generator=g, dtype=torch.int8)
-        scales = torch.rand(72, generator=g) * 0.01
-        q_u8 = torch.randint(1, 256, (17, k), generator=g, dtype=torch.uint8)
-        want = ((q_u8.double() - 128) @ codes.double().T).float() * scales
-        for name in names:
-            rows = _as_format(q_u8.float() - 128, ROW_FORMAT[name])
-            assert torch.equal(_int8_matmul(name, codes, scales)(rows), want), (name, k)
-
-
-def test_int8_kernel_choice_is_cached_per_machine_and_survives_a_corrupt_cache(tmp_path, monkeypatch):
-    import json
-
-    from eaglespec.models import quantize
-
-    monkeypatch.setenv("EAGLESPEC_CACHE_DIR", str(tmp_path))
-    path = tmp_path / "int8_kernels.json"
-    path.write_text("{not json")  # corrupt: measured again and rewritten
-    quantize._fastest_int8_kernels.cache_clear()
-    chosen = quantize._fastest_int8_kernels((48, 64))
-    names = quantize._exact_int8_kernels()
-    assert all(c in names for c in chosen)
-    if len(names) > 1:  # one exact kernel needs no timing and no cache
-        (entry,) = json.loads(path.read_text()).items()
-        assert entry[0].endswith("|48x64") and tuple(entry[1]) == chosen
-        path.write_text(json.dumps({entry[0]: ["fp32", "fp32"]}))  # a cached choice is used as it is
-        quantize._fastest_int8_kernels.cache_clear()
-        assert quantize._fastest_int8_kernels((48, 64)) == ("fp32", "fp32")
-    quantize._fastest_int8_kernels.cache_clear()
-
-
-def test_compiled_graphs_call_onednn_through_a_custom_op_with_the_same_bits(monkeypatch):
-    """inductor cannot trace oneDNN's packed weight: a compiled graph calls it as eaglespec::int8_matmul,
-    which gives the eager kernel's bits and lets the weight go with its layer."""
-    import gc
-
-    from eaglespec.models import quantize
-
-    if "onednn" not in quantize._exact_int8_kernels():
-        pytest.skip("oneDNN's int8 kernel is not exact on this CPU (no VNNI/AMX): compiled graphs never use it")
-    monkeypatch.setattr(quantize, "_fastest_int8_kernels", lambda shape: ("onednn", "onednn"))
-    layer = QuantizedLinear.from_linear(_linear(48, 64), 8, activations="int8")
-    x = torch.randn(3, 64)
-    want = layer(x)
-    layer.prepare(torch.float32, traceable=True)
-    kernel = layer._kernels[(torch.float32, True)]
-    assert torch.equal(kernel(x), want)
-    index = len(quantize._OPAQUE) - 1
-    assert torch.equal(torch.ops.eaglespec.int8_matmul(quantize.quantize_rows(x)[0], index) *
-                       quantize.quantize_rows(x)[1], want)  # fmt: skip
-    del layer, kernel
-    gc.collect()
-    assert quantize._OPAQUE[index][0]() is None
-
-
 def test_concatenated_layers_compute_the_same_and_hold_the_codes_once():
-    from eaglespec.models.quantize import FusedQuantized
+    from eaglespec.models.quantized_linear import FusedQuantized
 
     for bits, acts in [(8, None), (4, None), (8, "int8")]:
         parts = [QuantizedLinear.from_linear(_linear(n, 64, seed=n), bits, GROUP, acts) for n in (64, 32, 32)]

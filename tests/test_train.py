@@ -316,7 +316,8 @@ def test_drafter_fine_tunes_against_a_saved_quantized_target(learn, tmp_path):
     """The recipe for a quantized target (README): `eaglespec quantize`, regenerate the replies with the
     quantized target, train with `--target` the quantized directory. The drafter learns its outputs."""
     from eaglespec.models.checkpoint import load_target
-    from eaglespec.models.quantize import QuantizedLinear, quantize_target, save_quantized
+    from eaglespec.models.quantize import quantize_target, save_quantized
+    from eaglespec.models.quantized_linear import QuantizedLinear
 
     target, tdir, _, _ = learn
     qdir = save_quantized(quantize_target(load_target(tdir), 4, 32), tdir, tmp_path / "q4")
@@ -333,7 +334,8 @@ def test_train_quantize_flag_trains_against_the_quantized_target(learn, tmp_path
     """`eaglespec train --quantize w8a8` (no saved copy needed): the target is quantized at load, the
     features the drafter learns from are the quantized target's, and the flag is fixed on --resume."""
     from eaglespec.models.checkpoint import load_target
-    from eaglespec.models.quantize import QuantizedLinear, apply_quantize
+    from eaglespec.models.quantize import apply_quantize
+    from eaglespec.models.quantized_linear import QuantizedLinear
 
     target, tdir, _, _ = learn
     qtarget = apply_quantize(load_target(tdir), "w8a8")

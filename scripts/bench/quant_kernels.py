@@ -3,7 +3,7 @@ at 1, 4 and 17 rows (a plain step, a small and a 16-node tree verification) agai
 row invariance (a row's result must not depend on how many rows share the call, or speculative and
 plain decoding of the same quantized target could differ), error against a dequantize-then-matmul
 reference, and weight bytes (scales included) relative to fp32. Kernels: torch's weight-only int8 and
-int4, and eaglespec's W8A8 layer (models/quantize.py: per-row int8 activations, oneDNN u8s8, the row
+int4, and eaglespec's W8A8 layer (models/quantized_linear.py: per-row int8 activations, oneDNN u8s8, the row
 rounding included in its time). Each timed pass runs `--layers` distinct copies of the layer, as a
 model's forward does, so weights come from memory, not from a cache that holds one layer.
 
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglespec.machine import best_seconds, cpu_name
-from eaglespec.models.quantize import QuantizedLinear, quantize_rows
+from eaglespec.models.int8_kernels import quantize_rows
+from eaglespec.models.quantized_linear import QuantizedLinear
 
 SHAPES = {  # (out, in) of the matmuls of one decoder layer, qkv and gate/up fused as the engine runs them
     "365m": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],

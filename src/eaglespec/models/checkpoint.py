@@ -42,7 +42,7 @@ def load_target(path, *, device="cpu", dtype="fp32", aux_layers=None):
     model.rotary = type(model.rotary)(*_rope(hf))
     model.to(device=device, dtype=parse_dtype(dtype))
     if quantized:
-        from .quantize import hold_scales
+        from .quantized_linear import hold_scales
 
         hold_scales(model)
     model.eval().requires_grad_(False)

@@ -1,5 +1,5 @@
 """Reading compressed-tensors checkpoints (the quantized layout vLLM loads and llm-compressor writes)
-into the QuantizedLinear layout of models/quantize.py, with the `compressed-tensors` library's own
+into the QuantizedLinear layout of models/quantized_linear.py, with the `compressed-tensors` library's own
 unpacking. Read: weight-only, symmetric
 
   pack-quantized   int4 in groups of 32/64/128/256 (W4A16), or int8 per output channel
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from .io import CheckpointError
-from .quantize import HELD_DTYPE, INT4_GROUPS, QUANT_METHOD
+from .quantize import QUANT_METHOD
+from .quantized_linear import HELD_DTYPE, INT4_GROUPS
 
 METHOD = "compressed-tensors"
 READ = ("pack-quantized (int4 symmetric groups of 32-256, or int8 per channel) and int-quantized / "

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..machine import best_seconds
 from .layers import MLP, Attention
-from .quantize import FusedQuantized, QuantizedLinear
+from .quantized_linear import FusedQuantized, QuantizedLinear
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 

@@ -119,8 +119,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: StepMeta) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        # the cache's precision is the attention's: fp64 for W8A8 targets (models/quantize.py), whose
-        # tree and plain steps must round attention outputs to the same fp32 bits
+        # the cache's precision is the attention's: fp64 for quantized targets on CPU (precision.attention_dtype),
+        # whose tree and plain steps must round attention outputs to the same fp32 bits
         keys, values = cache.write_and_read(layer, meta, k.to(cache.dtype), v.to(cache.dtype))
         out = F.scaled_dot_product_attention(
             q.to(cache.dtype), keys, values, attn_mask=meta.mask, enable_gqa=self.num_heads != self.num_kv_heads

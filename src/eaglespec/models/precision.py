@@ -89,7 +89,7 @@ MAX_TREE_PLAIN_GAP = 1e-4
 
 def max_tree_plain_gap(target) -> float:
     """The gap this target may have: none for a quantized one, whose layers round their inputs and so turn
-    any difference into other tokens (models/quantize.py); MAX_TREE_PLAIN_GAP otherwise."""
+    any difference into other tokens (models/quantized_linear.py); MAX_TREE_PLAIN_GAP otherwise."""
     return 0.0 if getattr(target, "quantization", None) is not None else MAX_TREE_PLAIN_GAP
 
 
