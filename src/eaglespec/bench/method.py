@@ -42,7 +42,7 @@ def tensor_bytes(params) -> int:
 def weight_bytes_per_forward(model) -> int:
     """Bytes of weights one forward reads: every parameter once, except an untied input embedding
     (a forward gathers only a few of its rows). Same for our LlamaTarget and HF Llama-family models."""
-    from ..models.quantize import QuantizedLinear
+    from ..models.quantized_linear import QuantizedLinear
 
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embed
