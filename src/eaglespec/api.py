@@ -62,6 +62,14 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     return tgt, chosen, why
 
 
+def load_drafter_for(target, draft, *, device: str = "cpu", dtype: str = "fp32", window: int | None = None):
+    """A drafter directory loaded for a loaded target (checked against it, on `device` in `dtype`), with
+    its attention window set: `window` None keeps its config's draft_attention_window, 0 removes it."""
+    drafter = load_drafter(draft, target=target, device=device, dtype=dtype)
+    set_attention_window(drafter, window, target.cfg.max_position_embeddings)
+    return drafter
+
+
 def load_engine(
     target: str | os.PathLike,
     draft: str | os.PathLike | None = None,
@@ -95,8 +103,7 @@ def load_engine(
                                                   quantize_group=quantize_group)  # fmt: skip
     drafter = None
     if draft is not None and spec.speculates:
-        drafter = load_drafter(draft, target=tgt, device=device, dtype=dtype)
-        set_attention_window(drafter, draft_window, tgt.cfg.max_position_embeddings)
+        drafter = load_drafter_for(tgt, draft, device=device, dtype=dtype, window=draft_window)
     engine = Engine(tgt, drafter, spec, tokenizer=load_tokenizer(target))
     engine.precision = (dtype, why)
     engine.compiled = choose_compile(engine, compile, expected_tokens)

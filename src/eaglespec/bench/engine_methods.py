@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api import load_tokenizer, stop_ids_for
+from ..api import choose_compile, load_drafter_for, load_target_for_speculation, load_tokenizer, stop_ids_for
 from ..engine import Engine, Request
-from ..models.drafter import load_drafter
 from ..speculation.config import TreeShape
 from .method import Method, MethodRun, tensor_bytes, weight_bytes_per_forward
 
@@ -72,24 +71,20 @@ class Models:
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
                 quantize_group: int | None = None, draft_window: int | None = None) -> Models:  # fmt: skip
-    from ..api import load_target_for_speculation
-    from ..models.drafter import set_attention_window
-
+    """The target as `generate` loads it (api.load_target_for_speculation: dtype "auto" keeps a precision
+    only where verification matches plain steps) and each drafter for it (api.load_drafter_for)."""
     target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
                                                       quantize_group=quantize_group)  # fmt: skip
-    drafters = [(label, Path(d), load_drafter(d, target=target, dtype=dtype))
+    drafters = [(label, Path(d), load_drafter_for(target, d, dtype=dtype, window=draft_window))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
-    for _, _, drafter in drafters:
-        set_attention_window(drafter, draft_window, target.cfg.max_position_embeddings)
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,
                   quantize=quantize if quantize != "none" else None)  # fmt: skip
 
 
 def compile_models(models: Models, requested: str, expected_tokens: int) -> tuple[bool, str]:
     """Compile the shared target and every drafter (models/compiled.py) as `requested` ("auto": as
-    `generate` would for a job of `expected_tokens`). Returns (compiled, reason)."""
-    from ..api import choose_compile
-
+    `generate` would for a job of `expected_tokens`: api.choose_compile decides on the first engine, the
+    other drafters follow). Returns (compiled, reason)."""
     engines = [Engine(models.target, d, mode="auto") for _, _, d in models.drafters] or \
         [Engine(models.target, None, mode="off")]  # fmt: skip
     use, why = choose_compile(engines[0], requested, expected_tokens)
