@@ -1,1 +1,1 @@
-"""`eaglespec bench`: prompt suites, methods measured side by side, lossless check, sweeps, auto-tuning."""
+"""`eaglespec bench`: methods measured side by side on the prompt suites, lossless check, sweeps, auto-tuning."""

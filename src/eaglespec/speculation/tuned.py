@@ -1,11 +1,11 @@
 """Speculation settings tuned by `eaglespec bench --auto`, read by `eaglespec generate`.
 
 Stored in one JSON file per user and machine: $EAGLESPEC_TUNED_FILE, else tuned.json beside the
-measurement caches (machine.cache_dir(): $EAGLESPEC_CACHE_DIR, else ~/.cache/eaglespec). Not next to the
-drafter: model folders may be read-only or tracked by git, and the best settings belong to the
-machine, not to the model. Entries are keyed by the resolved target and drafter paths and carry a
-fingerprint (size and mtime of config.json and the weight files); when a model changes on disk its
-entry no longer applies and generate falls back to the defaults.
+measurement caches (machine.cache_dir(): $EAGLESPEC_CACHE_DIR, else $XDG_CACHE_HOME/eaglespec, by default
+~/.cache/eaglespec). Not next to the drafter: model folders may be read-only or tracked by git, and the
+best settings belong to the machine, not to the model. Entries are keyed by the resolved target and
+drafter paths and carry a fingerprint (size and mtime of config.json and the weight files); when a
+model changes on disk its entry no longer applies and generate falls back to the defaults.
 """
 
 from __future__ import annotations
