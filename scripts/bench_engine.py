@@ -15,7 +15,7 @@ import torch
 
 from eaglespec.api import load_engine
 from eaglespec.engine import Request
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 
 
 def main():

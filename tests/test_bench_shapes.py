@@ -9,8 +9,7 @@ import torch
 from eaglespec.bench import hardware, shapes
 from eaglespec.bench.shapes import SHAPES, Shape, ensure_shape, hf_config, param_count
 from eaglespec.cli import main
-from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import load_drafter
+from eaglespec.models.checkpoint import load_drafter, load_target
 from eaglespec.models.llama import TargetConfig
 
 TINY = Shape("qwen2", {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -70,7 +69,7 @@ def test_tiny_shape_is_written_once_and_loads(tmp_path, monkeypatch):
     # peaked random draft logits: EAGLE-2 trees of 16 nodes (mostly) reach their full depth 4
     from eaglespec.engine import Engine, Request
     from eaglespec.speculation import proposer as proposer_mod
-    from eaglespec.speculation.tree import TreeShape
+    from eaglespec.speculation.config import TreeShape
 
     depths, build = [], proposer_mod.build_tree
     monkeypatch.setattr(proposer_mod, "build_tree", lambda *a: depths.append(build(*a).depth.max()) or build(*a))

@@ -6,10 +6,11 @@ from safetensors.torch import save_file
 
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
-from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import Eagle3Drafter, load_drafter, new_drafter_config, save_drafter
+from eaglespec.models.checkpoint import load_drafter, load_target, save_drafter
+from eaglespec.models.drafter import Eagle3Drafter
+from eaglespec.models.drafter_config import new_drafter_config
 from eaglespec.models.io import CheckpointError
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 from helpers import random_drafter, tiny_target
 
 H, V = 64, 96

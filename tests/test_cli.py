@@ -72,7 +72,7 @@ def test_malformed_jsonl_and_mismatched_drafter(toy, tmp_path, capsys):
     bad.write_text('{"prompt": "ok"}\n{not json\n')
     assert main(["generate", "--target", str(target), "--input", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
-    from eaglespec.api import default_models_dir
+    from eaglespec.settings import default_models_dir
 
     real = default_models_dir() / "target"
     if (real / "config.json").is_file():  # toy drafter (vocab 1K) against the default target (8K)

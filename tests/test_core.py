@@ -8,7 +8,7 @@ import torch
 from eaglespec.batch_state import BatchState
 from eaglespec.engine import Engine, Request
 from eaglespec.scheduler import AdmissionError
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 from helpers import random_drafter, tiny_target
 
 LONG = 200

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from eaglespec.api import default_models_dir, generate, load_engine
+from eaglespec.api import generate, load_engine
 from eaglespec.cli import main
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.settings import default_models_dir
+from eaglespec.speculation.config import TreeShape
 
 MODELS = default_models_dir()
 PROMPTS = [[{"role": "user", "content": "hi, how are you doing today?"}], "def read_config(path):\n"]

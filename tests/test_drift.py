@@ -12,9 +12,9 @@ from eaglespec.drift.forward import context_kv, drafter_step
 from eaglespec.drift.measure import capture_aux, chain_roots, measure_drafter
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
-from eaglespec.models.drafter import save_drafter
-from eaglespec.speculation.proposer import EagleProposer
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.models.checkpoint import save_drafter
+from eaglespec.speculation.config import TreeShape
+from eaglespec.speculation.proposer import EagleProposer, FixedShape
 from helpers import random_drafter, tiny_target
 
 DEPTH = 5
@@ -66,11 +66,11 @@ def test_chains_are_the_engine_proposers_chains(target, drafter):
     aux = capture_aux(target, seq.tolist())
     roots = [3, 11, 24]
     record = draft_chains(drafter, seq, aux, roots, DEPTH, sink_tokens=4)
-    proposer = EagleProposer(drafter, TreeShape.chain(DEPTH))
+    proposer = EagleProposer(drafter)
     for row, r in enumerate(roots):
         cache = drafter.new_cache(1, 64)
         logits, state = proposer.extend(cache, None, seq[None, 1 : r + 1], aux[None, :r], torch.tensor([r]))
-        tree = proposer.propose(cache, None, seq[r : r + 1], logits, state)
+        tree = proposer.propose(cache, None, seq[r : r + 1], logits, state, FixedShape(TreeShape.chain(DEPTH)))
         assert record.drafted[row].tolist() == tree.tokens[0, 1:].tolist()
     assert record.expected.tolist() == [seq[r + 1 : r + 1 + DEPTH].tolist() for r in roots]
 

@@ -10,7 +10,7 @@ from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
 from eaglespec.models.fast_linear import PackedLinear, packing_available, prepare_for_inference
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 from helpers import FAMILIES, hf_tiny, random_drafter, save_hf, tiny_target
 from rigged import RiggedProposer
 from test_greedy_lossless import _hf_greedy, _prompts

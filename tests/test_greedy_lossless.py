@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eaglespec.engine import Engine, Request
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 from helpers import FAMILIES, random_drafter, tiny_target
 from rigged import RiggedProposer
 

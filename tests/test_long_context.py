@@ -9,8 +9,9 @@ import torch
 from eaglespec.api import load_engine
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import ContextLengthError, KVCache, causal_mask
-from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import DrafterConfig, save_drafter, set_attention_window
+from eaglespec.models.checkpoint import load_target, save_drafter
+from eaglespec.models.drafter import set_attention_window
+from eaglespec.models.drafter_config import DrafterConfig
 from eaglespec.models.io import CheckpointError
 from eaglespec.sampling import SamplingParams
 from eaglespec.train.ttt import Batch, cropped_features, target_features
@@ -239,7 +240,7 @@ def test_a_128k_prompt_end_to_end_with_a_tiny_model(tmp_path):
 
 @pytest.mark.slow
 def test_bundled_models_at_32k_stay_lossless():
-    from eaglespec.api import default_models_dir
+    from eaglespec.settings import default_models_dir
 
     models = default_models_dir()
     engine = load_engine(models / "target", models / "drafter-eagle3.1", mode="tree", dtype="fp32", adaptive=False)

@@ -239,7 +239,8 @@ def test_precision_choice_and_errors(monkeypatch):
 
 
 def test_unsupported_device_is_a_clear_error():
-    from eaglespec.api import default_models_dir, load_engine
+    from eaglespec.api import load_engine
+    from eaglespec.settings import default_models_dir
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

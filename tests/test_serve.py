@@ -15,8 +15,8 @@ import pytest
 import torch
 import uvicorn
 
-from eaglespec.api import default_models_dir
 from eaglespec.serve.cli import add_parser, build_server
+from eaglespec.settings import default_models_dir
 
 MODELS = default_models_dir()
 PROMPTS = ["The history of the city", "def read_config(path):\n", "Once upon a time there was"]

@@ -1,7 +1,7 @@
 import pytest
 
 from eaglespec.engine import Engine, Request
-from eaglespec.speculation.tree import TreeShape
+from eaglespec.speculation.config import TreeShape
 from eaglespec.stats import SpecStats, aggregate
 from helpers import random_drafter, tiny_target
 from rigged import RiggedProposer

@@ -34,7 +34,7 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
             cache.lengths[0] = length
             t0 = time.perf_counter()
             logits, state = proposer.extend(cache, None, ids, aux, torch.tensor([accepted]))
-            proposer.propose(cache, None, root, logits, state)
+            proposer.propose(cache, None, root, logits, state, FixedShape(TreeShape(4, 4, 16)))
             if i >= 3:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
@@ -42,9 +42,9 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
 
 def main():
     from eaglespec.models.checkpoint import load_target
-    from eaglespec.models.drafter import load_drafter
-    from eaglespec.speculation.proposer import EagleProposer
-from eaglespec.speculation.tree import TreeShape
+    from eaglespec.models.checkpoint import load_drafter
+    from eaglespec.speculation.proposer import EagleProposer, FixedShape
+from eaglespec.speculation.config import TreeShape
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT / "models/target"))
@@ -61,7 +61,7 @@ from eaglespec.speculation.tree import TreeShape
     drafter = load_drafter(args.draft, target=target)
     drafter.attach_target_embedding(target.model.embed_tokens)
     window = args.window or drafter.cfg.draft_attention_window or 256
-    proposer = EagleProposer(drafter, TreeShape(4, 4, 16))
+    proposer = EagleProposer(drafter)
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     for w in (None, window):

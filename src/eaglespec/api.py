@@ -8,17 +8,11 @@ import time
 from pathlib import Path
 
 from .engine import BatchOutput, Engine, Request
-from .models.checkpoint import load_target
-from .models.drafter import load_drafter, set_attention_window
+from .models.checkpoint import load_drafter, load_target
+from .models.drafter import set_attention_window
 from .models.io import CheckpointError
 from .sampling import SamplingParams
 from .speculation.config import SpecConfig
-
-
-def default_models_dir() -> Path:
-    """`$EAGLESPEC_MODELS`, else the repository's models/ folder."""
-    env = os.environ.get("EAGLESPEC_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
 def load_tokenizer(path):

@@ -5,29 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .cli_options import add_quantize_args
-from .machine import COMPILE_HELP
+from .settings import add_engine_args, resolve_models, settings_from_args
 
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text with speculative decoding (or plain with --mode off)")
-    p.add_argument("--target", help="HF target model directory (default: the bundled default target)")
-    p.add_argument("--draft", help="EAGLE-3/3.1 drafter directory (default: bundled; none = plain decoding)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input", help='JSONL file: {"prompt": str} | {"prompt_ids": [int]} | {"messages": [...]}')
     p.add_argument("--chat", action="store_true", help="render --prompt as a user message with the chat template")
-    # None = not given: use the settings saved by `eaglespec bench --auto`, else the cost-aware policy
-    p.add_argument("--mode", "--speculation", dest="mode", choices=["auto", "tree", "chain", "off"], default=None,
-                   help="auto (default): the policy picks chain/tree, depth and nodes per step from measured costs "
-                   "and acceptance; tree/chain: a fixed shape; off: plain decoding")
-    p.add_argument("--tree-depth", type=int, default=None,
-                   help="max draft tokens on a tree path (default 4; auto: maximum depth, default 8)")
-    p.add_argument("--tree-topk", type=int, default=None, help="children per expanded tree node (default 4)")
-    p.add_argument("--tree-tokens", type=int, default=None, help="draft tokens verified per step (tree, default 16)")
-    p.add_argument("--chain-k", type=int, default=None, help="draft tokens per step (chain, default 4)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -35,69 +22,34 @@ def _add_generate(sub):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto (default): the fastest precision on this device, measured (models/precision.py)")
-    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
-                   help=COMPILE_HELP)
-    add_quantize_args(p, "speculative output equals the quantized target's own")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="always speculate (for measurements); default: plain steps where speculation does not pay")
-    p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
-                   help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
-    p.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="sliding window of the drafter's own attention (default: the drafter's "
-                        "draft_attention_window, if it was trained with one; 0: none)")
-    p.add_argument("--draft-confidence", type=float, default=0.0,
-                   help="fixed shapes: stop drafting below this cumulative draft probability (auto sets its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--no-stream", action="store_true", help="do not stream a single prompt's text")
+    # speculation flags not given: the settings saved by `eaglespec bench --auto`, else the defaults
+    add_engine_args(p, quantize_effect="speculative output equals the quantized target's own")
     p.set_defaults(func=cmd_generate)
-
-
-def _resolve_models(args):
-    from .api import default_models_dir
-
-    root = default_models_dir()
-    target = args.target or (root / "target")
-    draft = args.draft
-    if draft is None and args.target is None:
-        for name in ("drafter-eagle3.1", "drafter-eagle3"):
-            if (root / name / "config.json").is_file():
-                draft = root / name
-                break
-    if not Path(target, "config.json").is_file():
-        if args.target is None:
-            raise ValueError(f"no --target given and no default target at {target}; pass --target DIR")
-    return target, draft
 
 
 def cmd_generate(args) -> int:
     from .api import generate, load_engine, parse_inputs, read_jsonl
-    from .engine import AUTO_MAX_DEPTH
+    from .outputs import TextStream
     from .sampling import SamplingParams
-    from .speculation.tree import TreeShape
+    from .speculation.tuned import describe
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.prompt is None and args.input is None:
         raise ValueError("give --prompt TEXT or --input FILE.jsonl")
-    target, draft = _resolve_models(args)
-    from .speculation.tuned import describe, generate_settings
-
-    spec, source = generate_settings(args, target, draft)
-    depth = spec["tree_depth"] or (AUTO_MAX_DEPTH if spec["mode"] == "auto" else 4)
-    tree = TreeShape(depth, spec["tree_topk"], spec["tree_tokens"])
+    settings, given = settings_from_args(args)
+    target, drafts = resolve_models(settings.target, settings.draft or ())
+    draft = drafts[0] if drafts else None
+    settings, source = settings.with_tuned(given, target, draft)
+    _set_threads(settings)
     if args.prompt is not None:
         item = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
         items = [item]
     else:
         items = read_jsonl(args.input)
-    engine = load_engine(target, draft, mode=spec["mode"], tree=tree, chain_k=spec["chain_k"], device=args.device,
-                         dtype=args.dtype, adaptive=not args.no_adaptive, confidence=args.draft_confidence,
-                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window,
-                         compile=args.compile,
-                         expected_tokens=len(items) * args.max_new_tokens, quantize=args.quantize,
-                         quantize_group=args.quantize_group)  # fmt: skip
+    engine = load_engine(target, draft, expected_tokens=len(items) * args.max_new_tokens,
+                         **settings.load_kwargs())  # fmt: skip
     dtype, why = engine.precision
     print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
     q = getattr(engine.target, "quantization", None)  # --quantize, or a saved `eaglespec quantize` directory
@@ -108,18 +60,15 @@ def cmd_generate(args) -> int:
         print(f"[eaglespec] weights: int{q['bits']} in the decoder layers{group}, {how}", file=sys.stderr)
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if engine.drafter is not None:
-        print(f"[eaglespec] settings: {describe({**spec, 'tree_depth': depth})} ({source})", file=sys.stderr)
+        shown = {**settings.speculation(), "tree_depth": settings.tree().depth}
+        print(f"[eaglespec] settings: {describe(shown)} ({source})", file=sys.stderr)
     prompts = parse_inputs(items, engine.tokenizer, where="--prompt" if args.prompt is not None else args.input)
     stream = len(prompts) == 1 and not args.json and not args.no_stream and engine.tokenizer is not None
-    printed = [""]
-    out_ids: list[int] = []
+    text = TextStream(engine.tokenizer) if stream else None
 
     def on_tokens(_i, ids):
-        out_ids.extend(ids)
-        text = engine.tokenizer.decode(out_ids, skip_special_tokens=True)
-        sys.stdout.write(text[len(printed[0]) :])
+        sys.stdout.write(text.push(ids))
         sys.stdout.flush()
-        printed[0] = text
 
     if stream and args.prompt is not None and not args.chat:
         sys.stdout.write(args.prompt)
@@ -149,6 +98,13 @@ def cmd_generate(args) -> int:
         where = sys.stderr if args.json else sys.stdout
         print(f"[eaglespec] policy: {_policy_line(engine.policy.summary())}", file=where)
     return 0
+
+
+def _set_threads(settings) -> None:
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
 
 
 def _policy_line(summary: dict) -> str:
@@ -229,11 +185,10 @@ def _add_export(sub):
 
 
 def cmd_export(args) -> int:
-    from .api import default_models_dir
     from .export import check_format, engine_ignored_keys, export_drafter, open_source
     from .export.commands import serving_commands
 
-    target = Path(args.target) if args.target else default_models_dir() / "target"
+    target, _ = resolve_models(args.target)
     k = args.num_speculative_tokens
     if k is not None and k < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {k}")

@@ -11,41 +11,72 @@ import time
 from .request import RequestState, StepOutput
 
 
-class StopStringMatcher:
-    """A request's output text, grown token by token, and the first stop string in it.
+class IncrementalText:
+    """The text of a growing list of token ids, decoded one token at a time with only the tokens since
+    the last complete character as context (vLLM's incremental detokenization): the window is decoded
+    with and without the new token and the difference is the new text, so a tokenizer's leading-space
+    rules cancel out. A token that ends inside a multi-byte character (or a skipped special token) adds
+    no text until the character completes. The cost per token does not grow with the text."""
 
-    Each new token is decoded with only the tokens since the last complete character (vLLM's
-    incremental detokenization: both the window and the window without the new token are decoded,
-    and the difference is the new text, so a tokenizer's leading-space rules cancel out); a token that
-    ends inside a multi-byte character adds no text until the character completes. Stop strings are
+    def __init__(self, decode):
+        self.decode = decode
+        self.text = ""  # the text of ids[:read]
+        self.prefix = 0  # ids[prefix:read] is the context the next token is decoded with
+        self.read = 0
+
+    def read_one(self, ids: list[int], end: int | None = None) -> str | None:
+        """Read the tokens up to ids[read + k] for the smallest k that completes text; the new text, or
+        None when every token before `end` (default: all) is still pending."""
+        for j in range(self.read, len(ids) if end is None else end):
+            before = self.decode(ids[self.prefix : self.read], skip_special_tokens=True)
+            window = self.decode(ids[self.prefix : j + 1], skip_special_tokens=True)
+            if len(window) > len(before) and not window.endswith("\ufffd"):
+                new = window[len(before) :]
+                self.text += new
+                self.prefix, self.read = self.read, j + 1
+                return new
+        return None
+
+
+class StopStringMatcher:
+    """A request's output text, grown token by token (IncrementalText), and the first stop string in it,
     searched in the new text plus the longest stop string's length of text before it."""
 
     def __init__(self, decode, stop_strings: tuple[str, ...]):
-        self.decode, self.stops = decode, stop_strings
+        self.text = IncrementalText(decode)
+        self.stops = stop_strings
         self.longest = max(len(s) for s in stop_strings)
-        self.text = ""  # the text of output[:read]
-        self.prefix = 0  # output[prefix:read] is the context the next token is decoded with
-        self.read = 0
 
     def add(self, output: list[int], upto: int) -> str | None:
-        """Read output[read:upto] one token at a time; at the first stop string, return the text before
-        it (the tokens after that one are not read)."""
-        for j in range(self.read, upto):
-            before = self.decode(output[self.prefix : self.read], skip_special_tokens=True)
-            window = self.decode(output[self.prefix : j + 1], skip_special_tokens=True)
-            if len(window) <= len(before) or window.endswith("\ufffd"):
-                continue  # nothing printable yet (an incomplete character, or a skipped special token)
-            searched_from = max(0, len(self.text) - self.longest + 1)
-            self.text += window[len(before) :]
-            self.prefix, self.read = self.read, j + 1
-            hits = [p for p in (self.text.find(s, searched_from) for s in self.stops) if p >= 0]
+        """Read output[:upto]; at the first stop string, return the text before it (the tokens after
+        the one that completed it are not read)."""
+        while self.text.read < upto:
+            searched_from = max(0, len(self.text.text) - self.longest + 1)
+            if self.text.read_one(output, upto) is None:
+                return None
+            hits = [p for p in (self.text.text.find(s, searched_from) for s in self.stops) if p >= 0]
             if hits:
-                return self.text[: min(hits)]
+                return self.text.text[: min(hits)]
         return None
 
     @property
     def tokens_read(self) -> int:
-        return self.read
+        return self.text.read
+
+
+class TextStream:
+    """Streamed text of one output: push the new token ids, get the new printable text."""
+
+    def __init__(self, tokenizer):
+        self.ids: list[int] = []
+        self.text = IncrementalText(tokenizer.decode)
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        parts = []
+        while (part := self.text.read_one(self.ids)) is not None:
+            parts.append(part)
+        return "".join(parts)
 
 
 class OutputProcessor:

@@ -6,8 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli_options import add_quantize_args
-from ..machine import COMPILE_HELP
+from ..settings import add_engine_args, resolve_models, settings_from_args
 
 MISMATCH_EXIT = 3  # the lossless check failed (report written); 2 = bad input, as for every command
 
@@ -22,9 +21,6 @@ def add_parser(sub) -> None:
         description="Measure methods side by side on the same prompts; check greedy outputs are identical. "
         f"Exit code {MISMATCH_EXIT} when a lossless method's output differs (the report is still written).",
     )
-    p.add_argument("--target", help="HF target model directory (default: the bundled target)")
-    p.add_argument("--draft", action="append", default=[], help="drafter directory (repeatable)")
-    p.add_argument("--drafts", help="comma-separated drafter directories (e.g. EAGLE-3.1,EAGLE-3 side by side)")
     p.add_argument("--categories", help="comma-separated suites (default: all; sweeps: chat,code)")
     p.add_argument("--limit", help="first N prompts per category, or 'all' (default: 4; sweeps 2; context 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -36,20 +32,6 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree-depth", type=int, default=4)
-    p.add_argument("--tree-topk", type=int, default=4)
-    p.add_argument("--tree-tokens", type=int, default=16)
-    p.add_argument("--chain-k", type=int, default=4)
-    p.add_argument("--no-adaptive", action="store_true", help="force speculation (adaptive governor off)")
-    p.add_argument("--dtype", default="auto", help="auto (the fastest precision on this CPU, measured), fp32, bf16")
-    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
-                   help=COMPILE_HELP)
-    add_quantize_args(p, "transformers peers run it unquantized, llama.cpp on q8_0 (int8, w8a8) or q4_0 (int4)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
-    p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
-                   help="prompt tokens the drafters read at prefill, the last N (default 128; 0: the whole prompt)")
-    p.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="the drafters' attention window (default: each drafter's draft_attention_window; 0: none)")
     p.add_argument("--sweep", choices=["batch", "context", "tree"], help="sweep batch size, context length or shape")
     p.add_argument("--sweep-values", help="batch sizes or context lengths, comma-separated (default: 1..64 / 512..32K)")
     p.add_argument("--grid", help="shape grid for --sweep tree/--auto, e.g. 'depth=2,4;topk=2,4;tokens=8,16;chain=2,4'")
@@ -63,24 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--auto", action="store_true",
                    help="quick shape sweep; save the best per drafter for `eaglespec generate` "
                    "(see speculation/tuned.py)")
+    # the engine's flags, as generate and serve have them (--methods names the modes to measure)
+    add_engine_args(p, several_drafts=True, with_mode=False,
+                    quantize_effect="transformers peers run it unquantized, llama.cpp on q8_0 (int8, w8a8) or "
+                    "q4_0 (int4)")  # fmt: skip
     p.set_defaults(func=cmd_bench)
-
-
-def resolve(args) -> tuple[Path, list[Path]]:
-    """Target and drafters: as given, else the bundled models/target and every bundled default drafter."""
-    from ..api import default_models_dir
-
-    root = default_models_dir()
-    target = Path(args.target) if args.target else root / "target"
-    if not (target / "config.json").is_file():
-        raise ValueError(f"target directory {str(target)!r} does not exist or has no config.json; pass --target DIR")
-    drafts = [Path(d) for d in args.draft] + [Path(d.strip()) for d in (args.drafts or "").split(",") if d.strip()]
-    if not drafts and args.target is None:
-        drafts = [root / n for n in ("drafter-eagle3.1", "drafter-eagle3") if (root / n / "config.json").is_file()]
-    for d in drafts:
-        if not (d / "config.json").is_file():
-            raise ValueError(f"drafter directory {str(d)!r} does not exist or has no config.json")
-    return target, drafts
 
 
 def parse_profile(text: str | None) -> list[float] | None:
@@ -130,7 +99,7 @@ def parse_limit(text: str | None, default: int | None) -> int | None:
 
 def cmd_bench(args) -> int:
     from ..sampling import SamplingParams
-    from ..speculation.tree import TreeShape
+    from ..speculation.config import TreeShape
     from ..suites import load_prompts, parse_categories
     from . import report as rep
     from .engine_methods import OUR_KINDS, compile_models, load_models, use_synthetic_acceptance
@@ -141,12 +110,13 @@ def cmd_bench(args) -> int:
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--batch-size and --max-new-tokens must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    settings, _ = settings_from_args(args)
+    if settings.threads is not None:
+        if settings.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {settings.threads}")
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(settings.threads)
     if args.auto and args.sweep not in (None, "tree"):
         raise ValueError("--auto runs a shape sweep; it cannot be combined with --sweep batch/context")
     sweep = "tree" if args.auto else args.sweep
@@ -160,16 +130,17 @@ def cmd_bench(args) -> int:
         target, drafts = ensure_shape(args.shape, log=log)
         drafts = [drafts]
     else:
-        target, drafts = resolve(args)
+        target, drafts = resolve_models(settings.target, settings.draft or (), every_default=True)
     if args.methods is None and not drafts:
         kinds = [k for k in kinds if k not in ("chain", "tree")]
         print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
-    tree = TreeShape(args.tree_depth, args.tree_topk, args.tree_tokens)
+    tree = TreeShape(settings.tree_depth or TreeShape.depth, settings.tree_topk, settings.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
-    models = load_models(target, drafts, args.dtype, args.quantize, args.quantize_group, args.draft_window)
-    models.draft_prefill_window = args.draft_prefill_window
+    models = load_models(target, drafts, settings.dtype, settings.quantize, settings.quantize_group,
+                         settings.draft_window)  # fmt: skip
+    models.draft_prefill_window = settings.draft_prefill_window
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
-    _, why = compile_models(models, args.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
+    _, why = compile_models(models, settings.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))
     log(f"[bench] forwards: {why}")
     cfg = RunConfig(args.max_new_tokens, args.batch_size, params)
     out = Path(args.out)
@@ -193,7 +164,7 @@ def cmd_bench(args) -> int:
             from .shapes import gguf_source
 
             source = gguf_source(args.shape, target)
-        methods = build_methods(kinds, models, tree=tree, chain_k=args.chain_k, adaptive=not args.no_adaptive,
+        methods = build_methods(kinds, models, tree=tree, chain_k=settings.chain_k, adaptive=settings.adaptive,
                                 gguf_source=source)  # fmt: skip
         if profile:
             use_synthetic_acceptance(methods, profile)
@@ -212,10 +183,10 @@ def cmd_bench(args) -> int:
                 print(line, file=sys.stderr)
             return MISMATCH_EXIT
         return 0
-    return run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log)
+    return run_sweep(args, settings, sweep, models, kinds, categories, cfg, tree, out, command, log)
 
 
-def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, log) -> int:
+def run_sweep(args, settings, sweep, models, kinds, categories, cfg, tree, out, command, log) -> int:
     from ..speculation.tuned import describe, save_tuned
     from ..suites import context_prompts, load_prompts
     from . import report as rep
@@ -230,7 +201,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
         fits = sorted({min(n, room) for n in lengths if n > 0 and room > 0})
         by_length = context_prompts(models.tokenizer, fits, parse_limit(args.limit, 1) or 2)  # all: both texts
         methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
-                                 chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
+                                 chain_k=settings.chain_k, adaptive=settings.adaptive)  # fmt: skip
         decode = lambda ids: models.tokenizer.decode(ids, skip_special_tokens=True)
         result = sweeps.sweep_context(methods, by_length, cfg, log, decode)
     else:
@@ -240,7 +211,7 @@ def run_sweep(args, sweep, models, kinds, categories, cfg, tree, out, command, l
         if sweep == "batch":
             sizes = sweeps.parse_values(args.sweep_values, sweeps.BATCH_SIZES, "batch")
             methods = engine_methods(models, [k for k in kinds if k in SWEEP_KINDS], tree=tree,
-                                     chain_k=args.chain_k, adaptive=not args.no_adaptive)  # fmt: skip
+                                     chain_k=settings.chain_k, adaptive=settings.adaptive)  # fmt: skip
             result = sweeps.sweep_batch(methods, pool, cfg, sizes, log)
         else:
             grid = sweeps.parse_grid(args.grid, sweeps.QUICK_GRID if args.auto else sweeps.FULL_GRID)

@@ -179,16 +179,17 @@ def _start(system: str, args, target: Path, out: Path, max_conc: int) -> ChildSe
 
 
 def cmd_bench_serving(args) -> int:
-    from ..api import default_models_dir, load_tokenizer
+    from ..api import load_tokenizer
+    from ..settings import default_models_dir, resolve_models
     from ..suites import parse_choices
     from .runner import cpu_name
 
-    root = default_models_dir()
-    target = Path(args.target or root / "target")
-    args.draft = args.draft or root / "drafter-eagle3.1"
-    args.llamacpp_draft = args.llamacpp_draft or root / "drafter-eagle3"
     systems = parse_choices(args.systems, ("eaglespec_spec", "eaglespec_plain", "llamacpp_plain", "llamacpp_eagle3"),
                             "--systems")  # fmt: skip
+    target, drafts = resolve_models(args.target, [args.draft] if args.draft else [],
+                                    need_drafter="eaglespec_spec" in systems)  # fmt: skip
+    args.draft = drafts[0] if drafts else None
+    args.llamacpp_draft = args.llamacpp_draft or default_models_dir() / "drafter-eagle3"  # llama.cpp: EAGLE-3 only
     levels = [int(x) for x in args.concurrency.split(",")]
     if not levels or min(levels) < 1:
         raise ValueError("--concurrency takes positive integers, e.g. 1,4,16,64")

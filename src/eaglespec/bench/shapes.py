@@ -124,7 +124,8 @@ def random_drafter(target_cfg, shape: Shape, seed: int):
     Its final norm weight is set so the logits have std DRAFT_LOGIT_STD (unit-RMS input x lm_head rows
     of std INIT_STD: std = weight * INIT_STD * sqrt(hidden)).
     """
-    from ..models.drafter import Eagle3Drafter, new_drafter_config
+    from ..models.drafter import Eagle3Drafter
+    from ..models.drafter_config import new_drafter_config
 
     dcfg = new_drafter_config(target_cfg, draft_vocab_size=shape.draft_vocab)
     dcfg.rope_theta = float(shape.config.get("rope_theta", 10000.0))
@@ -152,7 +153,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def ensure_shape(name: str, root: Path | None = None, *, seed: int = 0, log=None) -> tuple[Path, Path]:
     """(target dir, drafter dir) of a built-in shape, written on first use (seeded, bf16)."""
-    from ..models.drafter import save_drafter
+    from ..models.checkpoint import save_drafter
     from ..models.io import save_tensors, write_json
     from ..models.llama import TargetConfig
 
@@ -183,7 +184,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def gguf_source(name: str, target: Path) -> Path:
     """A folder llama.cpp's converter can read for a shape's target: its config and weights linked, plus
     the bundled tokenizer (prompts stay random ids; only the vocabulary's size and types matter)."""
-    from ..api import default_models_dir
+    from ..settings import default_models_dir
 
     bundled = default_models_dir() / "target"
     vocab = get_shape(name).config["vocab_size"]

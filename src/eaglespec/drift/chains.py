@@ -1,7 +1,7 @@
 """Greedy draft chains from the true context at many positions of one sequence, with what each step
 attends to, the magnitude of the state it feeds back, and whether its token matches the target.
 
-Pairing as in the engine (reference §2.5): context pair t = (target aux state at t, token t+1) at
+Pairing as in the engine (speculation/proposer.py): context pair t = (target aux state at t, token t+1) at
 position t. A chain rooted at token index r (the target's latest token) starts from the last context
 pair r-1; step d >= 2 feeds (state of step d-1, token drafted at d-1) at position r-2+d and attends to
 the context pairs 0..r-1 plus the chain's own steps 2..d. So the "own" keys at depth d are d-1 drafted

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_DRAFTERS = ("drafter-eagle3.1", "drafter-eagle3")
-
 
 def add_drift_parser(sub) -> None:
     p = sub.add_parser("drift", help="attention-drift diagnostics: attention, state RMS and acceptance per draft depth")
@@ -28,17 +26,9 @@ def add_drift_parser(sub) -> None:
 def resolve_paths(target: str | None, drafts: list[str]) -> tuple[Path, list[Path]]:
     """Like `generate`: the bundled target and drafters unless given (bundled drafters only with the
     bundled target, which they were trained for)."""
-    from ..api import default_models_dir
+    from ..settings import resolve_models
 
-    root = default_models_dir()
-    if drafts:
-        return Path(target) if target else root / "target", [Path(d) for d in drafts]
-    if target is not None:
-        raise ValueError("give --draft DIR: the bundled drafters only fit the bundled target")
-    found = [root / name for name in DEFAULT_DRAFTERS if (root / name / "config.json").is_file()]
-    if not found:
-        raise ValueError(f"no --draft given and no bundled drafter ({', '.join(DEFAULT_DRAFTERS)}) in {root}")
-    return root / "target", found
+    return resolve_models(target, drafts, every_default=True, need_drafter=True)
 
 
 def drafter_name(path: Path) -> str:
@@ -68,7 +58,7 @@ def prompt_items(args, tokenizer) -> tuple[list[dict], str]:
 
 def cmd_drift(args) -> int:
     from ..api import load_engine, parse_inputs
-    from ..models.drafter import load_drafter
+    from ..models.checkpoint import load_drafter
     from .measure import DepthProfile, greedy_sequences, measure_drafter
     from .report import write_report
 

@@ -1,6 +1,6 @@
 """The commands that serve an exported drafter in vLLM, SGLang and llama.cpp (printed by `eaglespec export`).
 
-Flags as those projects document them (reference §7.1 for vLLM's speculative_config; SGLang's
+Flags as those projects document them (vLLM's `--speculative-config` JSON; SGLang's
 `--speculative-*` server flags; llama.cpp's `--spec-type draft-eagle3`). `k` is the number of draft
 tokens per step: a chain of k in each engine (SGLang topk 1, k + 1 verified tokens), a starting point
 to tune on the serving hardware.

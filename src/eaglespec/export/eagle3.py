@@ -1,6 +1,6 @@
-"""Dialect A (reference §1.1 A): the flat Llama config and bare `midlayer.*` keys that vLLM, SGLang,
-SpecForge and EAGLE load, with every optional key those engines read written out explicitly, so no
-engine falls back to a default of its own:
+"""Dialect A (`LlamaForCausalLMEagle3`, models/drafter_config.py): the flat Llama config and bare
+`midlayer.*` keys that vLLM, SGLang, SpecForge and EAGLE load, with every optional key those engines
+read written out explicitly, so no engine falls back to a default of its own:
 - `eagle_aux_hidden_state_layer_ids` at the top level (vLLM) and in `eagle_config` (SGLang, ModelOpt),
   capture-before-layer ids; the first id is never 1 for a default set, so SGLang (which shifts ids that
   start at 1 by one, PR #25454) and vLLM capture the same states;

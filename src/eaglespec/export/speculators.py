@@ -1,4 +1,4 @@
-"""vLLM's speculators layout (reference §1.1 B), as speculators 0.9 writes it (`Eagle3DraftModel`):
+"""vLLM's speculators layout (dialect B), as speculators 0.9 writes it (`Eagle3DraftModel`):
 - config: `speculators_model_type: eagle3`, the decoder layer as a nested `transformer_layer_config`
   (a Llama config with an explicit head_dim: speculators builds its rotary table from a copy with the
   hidden size doubled, so without head_dim its RoPE would cover twice the head), `speculators_config`

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from ..api import stop_ids_for
 from ..engine import Request
+from ..outputs import IncrementalText
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, Submission
 from .protocol import (
@@ -227,17 +228,20 @@ async def _sse(engine, sub, config, tokenizer, body, rid, created, chat, n) -> A
 
 
 class _TextStream:
-    """Incremental detokenization: the new text of each step, holding back what may still change (an
-    incomplete UTF-8 sequence, or the start of a stop string)."""
+    """Incremental detokenization (outputs.IncrementalText): the new text of each step, holding back what
+    may still change (the start of a stop string); a finished output's text is the one its stop cut."""
 
     def __init__(self, tokenizer, hold: int):
         self.tokenizer, self.hold, self.sent = tokenizer, max(hold - 1, 0), 0
+        self.text = IncrementalText(tokenizer.decode) if tokenizer is not None else None
 
     def push(self, out) -> str:
-        text = _text(self.tokenizer, out)
-        if not out.finished:
-            text = text.rstrip("\ufffd")
-            text = text[: max(len(text) - self.hold, 0)]
+        if out.finished or self.text is None:
+            text = _text(self.tokenizer, out)
+        else:
+            while self.text.read_one(out.output_ids) is not None:
+                pass
+            text = self.text.text[: max(len(self.text.text) - self.hold, 0)]
         if len(text) <= self.sent:
             return ""
         delta, self.sent = text[self.sent :], len(text)

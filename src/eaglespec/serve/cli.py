@@ -6,29 +6,14 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli_options import add_quantize_args
-from ..machine import COMPILE_HELP
+from ..settings import add_engine_args, resolve_models, settings_from_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, streaming, vLLM metrics)")
-    p.add_argument("--target", help="HF target model directory (default: the bundled target)")
-    p.add_argument("--draft", help="EAGLE-3/3.1 drafter directory (default: bundled; plain decoding with --mode off)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
-    p.add_argument("--mode", "--speculation", dest="mode", choices=["auto", "tree", "chain", "off"], default="auto")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="always speculate (default: plain steps while speculation measures slower)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
-                   help=COMPILE_HELP)
-    p.add_argument("--draft-prefill-window", type=int, default=None, metavar="N",
-                   help="prompt tokens the drafter reads at prefill, the last N (default 128; 0: the whole prompt)")
-    p.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="sliding window of the drafter's own attention (default: the drafter's "
-                        "draft_attention_window, if it was trained with one; 0: none)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoding at once (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens prefilled per step, shared by the prefilling requests (default 512)")
@@ -39,8 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on shutdown (SIGINT/SIGTERM)")
-    p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
-    add_quantize_args(p, "responses equal the quantized target's own plain output")
+    add_engine_args(p, quantize_effect="responses equal the quantized target's own plain output")
     p.set_defaults(func=cmd_serve)
 
 
@@ -49,20 +33,17 @@ def build_server(args):
     import uvicorn
 
     from ..api import load_engine
-    from ..cli import _resolve_models
     from .app import ServerConfig, create_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
 
-    if args.threads:
+    settings, _ = settings_from_args(args)
+    if settings.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    target, draft = _resolve_models(args)
-    engine = load_engine(target, draft if args.mode != "off" else None, mode=args.mode, device=args.device,
-                         dtype=args.dtype, adaptive=not args.no_adaptive,
-                         draft_prefill_window=args.draft_prefill_window, draft_window=args.draft_window,
-                         compile=args.compile, quantize=args.quantize, quantize_group=args.quantize_group)  # fmt: skip
+        torch.set_num_threads(settings.threads)
+    target, drafts = resolve_models(settings.target, settings.draft or ())
+    engine = load_engine(target, drafts[0] if drafts else None, **settings.load_kwargs())
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if getattr(engine.target, "quantization", None) is not None:
         from ..models.quantize import scheme_name

@@ -1,4 +1,5 @@
-"""How an engine speculates: one frozen settings object and the one home of its defaults.
+"""How an engine speculates: one frozen settings object, the draft tree's shape, and the one home of
+their defaults. No torch here: command-line parsers import it.
 
 `SpecConfig` is built once per engine (engine.py) and read by the core, the policies and the proposer;
 the command line (settings.py) takes its flag defaults from here, so `generate`, `serve`, `bench` and
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tree import TreeShape
-
 MODES = ("auto", "tree", "chain", "off")
 AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
 AUTO_MAX_DEPTH = 8
@@ -18,6 +17,32 @@ AUTO_MAX_NODES = 48
 NGRAM_MAX = 8  # most tokens copied from the context per step
 DRAFT_PREFILL_WINDOW = 128  # prompt pairs fed to the drafter at prefill (0: all); BENCHMARKS.md, drafter window
 DEFAULT_CHAIN_K = 4
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """depth: max draft tokens on a path; top_k: children per expanded node and frontier width;
+    num_nodes: draft tokens kept for verification. A chain is top_k=1, num_nodes=depth."""
+
+    depth: int = 4
+    top_k: int = 4
+    num_nodes: int = 16
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.num_nodes < 1:
+            raise ValueError(f"tree depth, top-k and node count must be >= 1, got {self}")
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        return cls(depth=k, top_k=1, num_nodes=k)
+
+    @property
+    def max_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def kept_nodes(self) -> int:
+        return min(self.num_nodes, self.max_candidates)
 
 
 @dataclass(frozen=True)

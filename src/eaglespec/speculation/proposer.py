@@ -16,7 +16,8 @@ import torch
 
 from ..kv_cache import KVCache, causal_mask
 from ..models.drafter import Eagle3Drafter
-from .tree import Candidates, DraftTree, TreeShape, build_tree, root_only
+from .config import TreeShape
+from .tree import Candidates, DraftTree, build_tree, root_only
 
 
 class DraftShape(Protocol):

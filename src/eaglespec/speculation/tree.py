@@ -12,32 +12,6 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    """depth: max draft tokens on a path; top_k: children per expanded node and frontier width;
-    num_nodes: draft tokens kept for verification. A chain is top_k=1, num_nodes=depth."""
-
-    depth: int = 4
-    top_k: int = 4
-    num_nodes: int = 16
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.num_nodes < 1:
-            raise ValueError(f"tree depth, top-k and node count must be >= 1, got {self}")
-
-    @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(depth=k, top_k=1, num_nodes=k)
-
-    @property
-    def max_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k**2
-
-    @property
-    def kept_nodes(self) -> int:
-        return min(self.num_nodes, self.max_candidates)
-
-
 @dataclass
 class DraftTree:
     """tokens [B, N+1] target ids; parent [B, N+1] (root: -1); depth [B, N+1] (root: 0);

@@ -3,7 +3,7 @@
 Greedy: a node is accepted when every node on its path equals the target's argmax after its parent.
 Sampling uses the same rule on scores (sampling.token_scores): log p plus Gumbel noise shared by all
 nodes at one position, so the argmax at each node is an exact sample of the target there, and a draft
-token is accepted with probability p(x), as with rejection sampling of point-mass drafts (reference §6.1).
+token is accepted with probability p(x), as with rejection sampling of point-mass drafts (Leviathan et al., 2023).
 """
 
 from __future__ import annotations

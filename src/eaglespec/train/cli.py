@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from ..cli_options import add_quantize_args
+from ..settings import add_quantize_args
 
 
 def add_parsers(sub) -> None:
@@ -79,10 +79,9 @@ def add_parsers(sub) -> None:
 
 
 def _default_target(args) -> None:
-    if args.target is None:
-        from ..api import default_models_dir
+    from ..settings import resolve_models
 
-        args.target = str(default_models_dir() / "target")
+    args.target = str(resolve_models(args.target)[0])
 
 
 def cmd_regen(args) -> int:
