@@ -1,5 +1,7 @@
 """Held-out evaluation of the drafter being trained: TTT loss and accuracy per TTT step on held-out samples,
-and real tau: the engine generates greedily from held-out prompts with the drafter."""
+and real tau: the engine generates greedily from held-out prompts with the drafter, through the same path
+and stop rules as `eaglespec generate` (api.generate: the EOS ids of api.stop_ids_for)."""
+
 from __future__ import annotations
 
 import copy
@@ -7,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine import Engine, Request
+from ..api import generate
+from ..engine import Engine
 from ..models.drafter import Eagle3Drafter
 from ..sampling import SamplingParams
 from .config import TrainConfig
@@ -40,17 +43,16 @@ def held_out_prompts(samples: list[Sample], val: list[int], cfg: TrainConfig) ->
     return prompts
 
 
-def real_tau(target, drafter: Eagle3Drafter, prompts: list[list[int]], cfg: TrainConfig) -> dict:
+def real_tau(target, drafter: Eagle3Drafter, prompts: list[list[int]], cfg: TrainConfig, tokenizer=None) -> dict:
     """Mean acceptance length when the engine generates greedily from `prompts` with a copy of `drafter`
-    (cfg.eval_mode, cfg.eval_chain_k, cfg.eval_max_new_tokens)."""
+    (cfg.eval_mode, cfg.eval_chain_k, cfg.eval_max_new_tokens). A reply ends where `eaglespec generate`
+    ends it: at an EOS id of the target's generation config or of `tokenizer` (the target's own, or None)."""
     if not prompts:
         return {}
     engine = Engine(target, copy.deepcopy(drafter).eval(), mode=cfg.eval_mode, chain_k=cfg.eval_chain_k,
-                    adaptive=False)  # fmt: skip
-    eos = getattr(target.hf_config, "eos_token_id", None)
-    stop = tuple([eos] if isinstance(eos, int) else (eos or []))
-    reqs = [Request(p, cfg.eval_max_new_tokens, stop) for p in prompts]
-    out = engine.generate(reqs, SamplingParams(), batch_size=min(8, len(reqs)))
+                    adaptive=False, tokenizer=tokenizer)  # fmt: skip
+    out = generate(engine, prompts, SamplingParams(), max_new_tokens=cfg.eval_max_new_tokens,
+                   batch_size=min(8, len(prompts)))  # fmt: skip
     s = out.stats
     return {"tau": s.tau, "acceptance_per_position": s.per_position_acceptance,
             "eval_mode": cfg.eval_mode, "eval_prompts": len(prompts)}  # fmt: skip

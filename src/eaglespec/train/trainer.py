@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import load_target
-from ..models.drafter import Eagle3Drafter, load_drafter, new_drafter_config
+from ..api import load_tokenizer
+from ..models.checkpoint import load_drafter, load_target
+from ..models.drafter import Eagle3Drafter
+from ..models.drafter_config import new_drafter_config
 from ..models.quantize import apply_quantize
 from . import checkpoints
 from .config import TrainConfig
@@ -175,6 +178,11 @@ class Trainer:
         elif self.rank == 0:
             checkpoints.refuse_to_overwrite(self.out)
 
+    @cached_property
+    def tokenizer(self):
+        """The target's tokenizer (None when its directory has none): its EOS is one of the engine's stop ids."""
+        return load_tokenizer(self.cfg.target)
+
     # -- data ------------------------------------------------------------------------------------
     def _features(self, idx: list[int]) -> tuple[Batch, torch.Tensor, object]:
         batch = collate([self.samples[i] for i in idx], self.cfg.max_len)
@@ -304,8 +312,9 @@ class Trainer:
         return held_out_prompts(self.samples, self.val_idx, self.cfg)
 
     def measure_tau(self) -> dict:
-        """Real acceptance: the engine generates greedily on held-out prompts with this drafter."""
-        return real_tau(self.target, self.drafter, self.eval_prompts(), self.cfg)
+        """Real acceptance: the engine generates greedily on held-out prompts with this drafter, and stops
+        where `eaglespec generate` stops (the target's EOS ids, its tokenizer's included)."""
+        return real_tau(self.target, self.drafter, self.eval_prompts(), self.cfg, self.tokenizer)
 
     # -- reporting (process 0) -----------------------------------------------------------------------
     def _say(self, msg: str) -> None:
