@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import Eagle3Drafter, new_drafter_config
+from eaglespec.models.drafter import Eagle3Drafter
+from eaglespec.models.drafter_config import new_drafter_config
 
 FAMILIES = {
     "llama": (LlamaConfig, {}),

@@ -64,8 +64,9 @@ def test_interval_widens_with_disagreement_between_seeds():
 def toy(tmp_path_factory):
     import torch
 
-    from eaglespec.models.checkpoint import load_target
-    from eaglespec.models.drafter import Eagle3Drafter, new_drafter_config, save_drafter
+    from eaglespec.models.checkpoint import load_target, save_drafter
+    from eaglespec.models.drafter import Eagle3Drafter
+    from eaglespec.models.drafter_config import new_drafter_config
     from eaglespec.toy import make_toy_models
 
     root = tmp_path_factory.mktemp("cmp")

@@ -17,8 +17,7 @@ import torch
 from eaglespec.cli import main
 from eaglespec.export import export_drafter, open_source
 from eaglespec.export.gguf import permute_rope_rows
-from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import load_drafter, save_drafter
+from eaglespec.models.checkpoint import load_drafter, load_target, save_drafter
 from eaglespec.models.io import CheckpointError, load_tensors
 from helpers import hf_tiny, random_drafter, save_hf
 
@@ -122,7 +121,8 @@ def test_round_trip_eagle3_speculators_eagle3_is_bit_exact(pair, tmp_path):
 def test_narrow_drafter_with_own_embedding_round_trips(pair, tmp_path):
     """target_hidden_size != hidden_size: fc reads 3 x the target's width, the drafter ships its own embedding."""
     from eaglespec.export import engine_ignored_keys
-    from eaglespec.models.drafter import DrafterConfig, Eagle3Drafter
+    from eaglespec.models.drafter import Eagle3Drafter
+    from eaglespec.models.drafter_config import DrafterConfig
 
     target_dir, _, target = pair
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eaglespec.kv_cache import causal_mask
-from eaglespec.models.drafter import load_drafter
+from eaglespec.models.checkpoint import load_drafter
 from eaglespec.train.config import TrainConfig
 from eaglespec.train.shards import DataError, Sample, load_samples, read_shard, write_shard
 from eaglespec.train.trainer import Trainer

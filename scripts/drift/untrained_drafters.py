@@ -11,8 +11,9 @@ import argparse
 
 import torch
 
-from eaglespec.models.checkpoint import load_target
-from eaglespec.models.drafter import Eagle3Drafter, new_drafter_config, save_drafter
+from eaglespec.models.checkpoint import load_target, save_drafter
+from eaglespec.models.drafter import Eagle3Drafter
+from eaglespec.models.drafter_config import new_drafter_config
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from eaglespec.bench.compare import rare_tokens
-    from eaglespec.models.drafter import load_drafter
+    from eaglespec.models.checkpoint import load_drafter
 
     report = rare_tokens(args.records, lambda d: load_drafter(d).t2d.numpy())
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

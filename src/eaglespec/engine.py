@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .core import EngineCore
-from .models.drafter import Eagle3Drafter, check_pair
+from .models.checkpoint import check_pair
+from .models.drafter import Eagle3Drafter
 from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
 from .request import Request

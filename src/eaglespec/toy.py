@@ -38,8 +38,9 @@ def _train_tokenizer(vocab_size: int):
 def make_toy_models(out, *, seed: int = 0, vocab_size: int = 1024) -> tuple[Path, Path]:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from .models.checkpoint import load_target
-    from .models.drafter import Eagle3Drafter, new_drafter_config, save_drafter
+    from .models.checkpoint import load_target, save_drafter
+    from .models.drafter import Eagle3Drafter
+    from .models.drafter_config import new_drafter_config
 
     out = Path(out)
     tokenizer = _train_tokenizer(vocab_size)

@@ -45,7 +45,7 @@ class EngineMethod(Method):
 
 def drafter_labels(drafts: list) -> list[str]:
     """Short names: the EAGLE version when it tells drafters apart, else the folder name."""
-    from ..models.drafter import DrafterConfig
+    from ..models.drafter_config import DrafterConfig
     from ..models.io import read_config
 
     versions = [DrafterConfig.from_dict(read_config(d)).eagle_version for d in drafts]

@@ -1,6 +1,6 @@
 """Drafters out to other engines' layouts, and the serving commands that go with them.
 
-One file per format, each a writer over the same validated source (a drafter read by models/drafter.py,
+One file per format, each a writer over the same validated source (a drafter read by models/checkpoint.py,
 which reads every layout we know: dialect A with or without `eagle_config` nesting, speculators, the
 EAGLE reference's pytorch_model.bin, `layers.0.*` / `model.*` key prefixes):
 - eagle3.py: dialect A (vLLM, SGLang, SpecForge, EAGLE), every optional key written explicitly;
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.drafter import DrafterConfig, Eagle3Drafter, check_pair, drafter_state_dict, load_drafter
+from ..models.checkpoint import check_pair, drafter_state_dict, load_drafter
+from ..models.drafter import Eagle3Drafter
+from ..models.drafter_config import DrafterConfig
 from ..models.io import CheckpointError, parse_dtype, read_config
 
 FORMATS = ("eagle3", "speculators", "gguf")

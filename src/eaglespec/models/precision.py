@@ -1,16 +1,18 @@
-"""Precision rules. `--dtype auto`: the precision this device runs the model fastest in; the precision a
-quantized target attends in (`attention_dtype`); and the gap between a verification forward and a plain
-step that a target may have (`max_tree_plain_gap`, measured by `tree_plain_gap`).
+"""Precision rules: the precision `--dtype auto` picks, the one a quantized target attends in, and the gap
+a target may have between a verification forward and a plain step.
+
+`--dtype auto` (`choose_dtype`): the precision this device runs the model fastest in. `attention_dtype`:
+fp64 attention for a quantized target on CPU. `max_tree_plain_gap`: the gap allowed, as `tree_plain_gap`
+measures it.
 
 Target and drafter always share the chosen precision, so plain and speculative decoding compute
 their logits with the same kernels' precision and greedy outputs stay identical at that precision.
 
-CPU: bf16 only where the CPU computes it natively (AMX or AVX-512 BF16; without them bf16 is
-emulated and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick measurement (the packed kernels of
-models/fast_linear.py) on the
-model's own matrix shapes (one token, as in plain decoding, and 17 tokens, as in verifying a tree)
-says it is faster; fp32 otherwise. CUDA: bf16 where supported, else fp16.
-The measurement (well under a second) is cached with the calibration files (speculation/costs.py).
+CPU: bf16 only where the CPU computes it natively (AMX or AVX-512 BF16; without them bf16 is emulated
+and measured ~20x slower than fp32 on AVX2-only EPYCs) *and* a quick measurement (the packed kernels of
+models/fast_linear.py) on the model's own matrix shapes (one token, as in plain decoding, and 17 tokens,
+as in verifying a tree) says it is faster; fp32 otherwise. CUDA: bf16 where supported, else fp16.
+The measurement (well under a second) is cached per machine (machine.read_cached/write_cached).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Quantization schemes of a target's decoder linears (`--quantize int8|int4|w8a8`), applied at load time
-(`quantize_target`, `apply_quantize`), and quantized targets saved as model directories (`save_quantized`,
-read back through `quantized_shells`). The layer and its layouts: models/quantized_linear.py.
+or saved with the target.
+
+`quantize_target` / `apply_quantize` replace the linears of a loaded target; `save_quantized` writes a
+quantized target as a model directory, and `quantized_shells` prepares its layers when one is read back
+(models/checkpoint.py). The layer and its layouts: models/quantized_linear.py.
 """
 
 from __future__ import annotations

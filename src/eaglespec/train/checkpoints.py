@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.drafter import Eagle3Drafter, drafter_state_dict, load_drafter, save_drafter
+from ..models.checkpoint import drafter_state_dict, load_drafter, save_drafter
+from ..models.drafter import Eagle3Drafter
 from .config import TrainConfig
 
 # settings that must not change when a run is resumed

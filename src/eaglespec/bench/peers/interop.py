@@ -53,7 +53,7 @@ def check_speculators(drafter_dir, target_dir, work, *, ids: torch.Tensor, steps
     from safetensors.torch import load_file, save_file
 
     from ...export import export_drafter
-    from ...models.drafter import load_drafter
+    from ...models.checkpoint import load_drafter
     from ...train.ttt import shift, ttt_forward
 
     work = Path(work)

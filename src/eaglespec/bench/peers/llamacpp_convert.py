@@ -28,7 +28,7 @@ UnsupportedDrafter = UnsupportedForGGUF
 
 def check_drafter_supported(drafter_dir) -> None:
     """Raise UnsupportedDrafter for an EAGLE-3.1 drafter (or any config llama.cpp cannot represent)."""
-    from ...models.drafter import DrafterConfig
+    from ...models.drafter_config import DrafterConfig
 
     cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
     try:
