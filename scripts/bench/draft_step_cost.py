@@ -41,8 +41,7 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
 
 
 def main():
-    from eaglespec.models.checkpoint import load_target
-    from eaglespec.models.checkpoint import load_drafter
+    from eaglespec.models.checkpoint import load_drafter, load_target
     from eaglespec.speculation.proposer import EagleProposer, FixedShape
 from eaglespec.speculation.config import TreeShape
 
