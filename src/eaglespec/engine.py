@@ -20,11 +20,10 @@ from .models.fast_linear import prepare_for_inference
 from .models.llama import LlamaTarget
 from .request import Request
 from .sampling import SamplingParams
-from .speculation.config import SpecConfig
+from .speculation.config import SpecConfig, TreeShape
 from .speculation.policies import PolicyBook
 from .speculation.policy import Policy
 from .speculation.proposer import EagleProposer
-from .speculation.tree import TreeShape
 from .stats import SpecStats
 
 StreamCallback = Callable[[int, list[int]], None]

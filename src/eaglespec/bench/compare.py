@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..speculation.tree import TreeShape
+from ..speculation.config import TreeShape
 from .templates import FORMATS
 
 # name -> (mode, chain length, tree shape, context n-gram tokens merged per step: the hybrid proposer)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 from ..machine import cache_file, read_cached, write_cached
 
-# tree_depth None: 4 for a fixed tree, the policy's maximum (engine.AUTO_MAX_DEPTH) for auto
-DEFAULTS = {"mode": "auto", "tree_depth": None, "tree_topk": 4, "tree_tokens": 16, "chain_k": 4}
-SPEC_ARGS = tuple(DEFAULTS)
+# the settings bench --auto tunes (settings.EngineSettings fields; tree_depth None: the mode's default)
+SPEC_ARGS = ("mode", "tree_depth", "tree_topk", "tree_tokens", "chain_k")
 CACHE = "tuned.json"  # in machine.cache_dir()
 
 
@@ -65,21 +64,6 @@ def load_tuned(target, draft, path: Path | None = None) -> dict | None:
     if entry.get("fingerprint") != {"target": fingerprint(target), "draft": fingerprint(draft)}:
         return None
     return entry
-
-
-def generate_settings(args, target, draft) -> tuple[dict, str]:
-    """Speculation settings for `generate`: the flags the user gave (others: defaults); with no such
-    flag, the tuned entry for this target+drafter when there is one; else the defaults."""
-    given = {k: getattr(args, k) for k in SPEC_ARGS if getattr(args, k, None) is not None}
-    if given:
-        if "mode" not in given:  # a shape flag without --mode asks for that fixed shape
-            given["mode"] = "chain" if "chain_k" in given else "tree"
-        return {**DEFAULTS, **given}, "command line"
-    if draft is not None:
-        entry = load_tuned(target, draft)
-        if entry is not None:
-            return {**DEFAULTS, **entry["settings"]}, f"tuned by bench --auto, {tuned_path()}"
-    return dict(DEFAULTS), "defaults"
 
 
 def describe(settings: dict) -> str:
