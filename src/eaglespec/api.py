@@ -10,14 +10,15 @@ from pathlib import Path
 from .engine import BatchOutput, Engine, Request
 from .models.checkpoint import load_drafter, load_target
 from .models.drafter import set_attention_window
+from .models.gguf import as_model_folder
 from .models.io import CheckpointError
 from .sampling import SamplingParams
 from .speculation.config import SpecConfig
 
 
 def load_tokenizer(path):
-    """The HF tokenizer stored with a model, or None when the directory has none."""
-    path = Path(path)
+    """The HF tokenizer stored with a model (or in a .gguf target), or None when the directory has none."""
+    path = Path(as_model_folder(path))
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
@@ -37,6 +38,7 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     from .models.quantize import apply_quantize, parse_quantize
 
     parse_quantize(quantize)  # bad input fails before anything loads
+    target = as_model_folder(target)
 
     def load(name: str):
         return apply_quantize(load_target(target, device=device, dtype=name), quantize, quantize_group)
@@ -93,6 +95,7 @@ def load_engine(
     spec = SpecConfig(**spec_fields)  # bad settings fail before anything loads
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    target = as_model_folder(target)  # a .gguf file: its converted folder (models/gguf.py)
     tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,
                                                   quantize_group=quantize_group)  # fmt: skip
     drafter = None

@@ -151,9 +151,10 @@ def cmd_quantize(args) -> int:
     from .models.quantized_linear import DEFAULT_GROUP
 
     activations = None if args.activations == "none" else args.activations
-    target = load_target(args.target)
+    folder, _ = resolve_models(args.target)
+    target = load_target(folder)
     quantize_target(target, args.bits, DEFAULT_GROUP if args.group is None else args.group, activations)
-    out = save_quantized(target, args.target, args.out)
+    out = save_quantized(target, folder, args.out)
     print(f"[eaglespec] wrote {scheme_name(target.quantization)} quantized target to {out}", file=sys.stderr)
     return 0
 
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     p = sub.add_parser("quantize", help="write an int8/int4 (weight-only) or w8a8 quantized copy of a target (loads "
                        "without re-quantizing)")  # fmt: skip
-    p.add_argument("--target", required=True, help="HF target directory (Llama, Mistral, Qwen2, Qwen3)")
+    p.add_argument("--target", required=True, help="HF target directory or .gguf file (Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--bits", type=int, choices=[8, 4], required=True)
     p.add_argument("--group", type=int, default=None, help="int4: channels per scale (32/64/128/256; 128)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def resolve_models(target=None, drafts=(), *, every_default: bool = False,
                    need_drafter: bool = False) -> tuple[Path, list[Path]]:  # fmt: skip
     """The target and drafter folders a command runs: as given, else the bundled target and its default
     drafter (every bundled drafter with every_default). A given target gets no bundled drafter: those
-    fit the bundled target only. need_drafter: refuse to return none."""
+    fit the bundled target only. A `.gguf` target is converted once to a cached folder (models/gguf.py),
+    which is returned. need_drafter: refuse to return none."""
     root = default_models_dir()
     found = [Path(d) for d in drafts if d]
     if not found and target is None:
@@ -41,6 +43,10 @@ def resolve_models(target=None, drafts=(), *, every_default: bool = False,
             raise ValueError("give --draft DIR: the bundled drafters only fit the bundled target")
         raise ValueError(f"no --draft given and no bundled drafter ({', '.join(DEFAULT_DRAFTERS)}) in {root}")
     target_dir = Path(target) if target else root / "target"
+    if target is not None and str(target).lower().endswith(".gguf"):
+        from .models.gguf import gguf_folder
+
+        target_dir = gguf_folder(target, log=lambda msg: print(f"[eaglespec] {msg}", file=sys.stderr))
     if not (target_dir / "config.json").is_file():
         if target is None:
             raise ValueError(f"no --target given and no default target at {target_dir}; pass --target DIR")
