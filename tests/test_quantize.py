@@ -16,7 +16,7 @@ from eaglespec.models.int8_kernels import quantize_rows
 from eaglespec.models.precision import MAX_TREE_PLAIN_GAP, tree_plain_gap
 from eaglespec.models.quantize import SCHEMES, parse_quantize, quantize_target
 from eaglespec.models.quantized_linear import QuantizedLinear
-from eaglespec.speculation.proposer import TreeShape
+from eaglespec.speculation.config import TreeShape
 from helpers import FAMILIES, random_drafter, tiny_target
 from rigged import RiggedProposer
 from test_greedy_lossless import _prompts
@@ -178,7 +178,7 @@ def test_bad_quantization_requests_are_clear(tmp_path):
         parse_quantize("int3")
     assert parse_quantize("none") is None and parse_quantize("int4") == (4, None)
     assert parse_quantize("w8a8") == (8, "int8")
-    from eaglespec.cli_options import QUANTIZE_CHOICES
+    from eaglespec.settings import QUANTIZE_CHOICES
 
     assert set(QUANTIZE_CHOICES) == {"none", *SCHEMES}  # every command offers exactly the schemes that exist
     with pytest.raises(ValueError, match="needs int8 weights"):
