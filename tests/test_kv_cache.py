@@ -6,7 +6,8 @@ import torch
 from eaglespec.engine import Engine, Request
 from eaglespec.kv_cache import ContextLengthError, KVCache, causal_mask
 from eaglespec.models.checkpoint import load_target
-from eaglespec.speculation.tree import DraftTree, TreeShape, ancestor_mask
+from eaglespec.speculation.config import TreeShape
+from eaglespec.speculation.tree import DraftTree, ancestor_mask
 from eaglespec.speculation.verify import accept_greedy
 from helpers import hf_tiny, random_drafter, save_hf
 

@@ -7,8 +7,9 @@ from scipy.stats import chisquare
 from eaglespec.engine import Engine, Request
 from eaglespec.models.checkpoint import load_target
 from eaglespec.sampling import BatchSampling, SamplingParams, target_probs, token_scores
+from eaglespec.speculation.config import TreeShape
 from eaglespec.speculation.costs import StepCosts
-from eaglespec.speculation.tree import DraftTree, TreeShape, ancestor_mask
+from eaglespec.speculation.tree import DraftTree, ancestor_mask
 from eaglespec.speculation.verify import accept_greedy
 from helpers import hf_tiny, random_drafter, save_hf
 

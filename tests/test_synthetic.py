@@ -7,8 +7,9 @@ import torch
 from eaglespec.engine import Engine, Request
 from eaglespec.sampling import SamplingParams
 from eaglespec.speculation import proposer as proposer_mod
+from eaglespec.speculation.config import TreeShape
 from eaglespec.speculation.synthetic import accept_synthetic, check_profile, sample_depths
-from eaglespec.speculation.tree import DraftTree, TreeShape, ancestor_mask, build_tree
+from eaglespec.speculation.tree import DraftTree, ancestor_mask, build_tree
 from helpers import random_drafter, tiny_target
 
 PROFILE = [0.851, 0.645, 0.570, 0.504]  # a vLLM per-position acceptance (EAGLE-3.1 on chat)
