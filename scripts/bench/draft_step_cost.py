@@ -42,8 +42,8 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
 
 def main():
     from eaglespec.models.checkpoint import load_drafter, load_target
+    from eaglespec.speculation.config import TreeShape
     from eaglespec.speculation.proposer import EagleProposer, FixedShape
-from eaglespec.speculation.config import TreeShape
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT / "models/target"))
