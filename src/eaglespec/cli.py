@@ -197,10 +197,8 @@ def cmd_export(args) -> int:
     check_format(src, args.fmt)
     k_cpu = k_gpu = k
     if k is None:
-        from .speculation.chain_length import measure
-
         print("[eaglespec] measuring chain acceptance to choose the speculation length ...", file=sys.stderr)
-        c = measure(target, args.drafter)
+        c = _measure_chain_length(target, args.drafter)
         k_cpu, k_gpu = c.k_here, c.k_bandwidth
         rounded = lambda xs: [round(x, 2) for x in xs]
         print(f"[eaglespec] chain acceptance per position (depth 8, {c.prompts} prompts): {rounded(c.acceptance)}\n"
@@ -219,6 +217,27 @@ def cmd_export(args) -> int:
     for engine, command in serving_commands(args.fmt, files, str(target), k).items():
         print(f"# {engine}\n{command}")
     return 0
+
+
+def _measure_chain_length(target, drafter_dir, prompts_per_category: int = 2, max_new_tokens: int = 48):
+    """Chain acceptance with speculation forced at chain_length.DEPTH on a few prompts of the bundled
+    suites (fp32, greedy), turned into the lengths to start other engines with."""
+    from .api import generate, load_engine
+    from .speculation.chain_length import CATEGORIES, DEPTH, choose_length
+    from .stats import SpecStats
+    from .suites import load_prompts
+
+    engine = load_engine(target, drafter_dir, mode="chain", chain_k=DEPTH, adaptive=False, dtype="fp32")
+    if engine.tokenizer is None:
+        raise ValueError(f"{target} has no tokenizer; pass --num-speculative-tokens to skip the measurement")
+    prompts, _ = load_prompts(list(CATEGORIES), engine.tokenizer, limit=prompts_per_category,
+                              max_new_tokens=max_new_tokens,
+                              max_length=engine.target.cfg.max_position_embeddings)  # fmt: skip
+    stats = SpecStats()
+    flat = [p.ids for ps in prompts.values() for p in ps]
+    for ids in flat:
+        stats = stats.merge(generate(engine, [ids], max_new_tokens=max_new_tokens).stats)
+    return choose_length(engine, stats, DEPTH, len(flat))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,8 @@ whose first i drafted tokens were all accepted, from a deep chain with speculati
   on this machine (speculation/costs.py);
 - on a bandwidth-bound server (vLLM / SGLang on a GPU at small batch): every forward reads its weights
   once whatever its few tokens, so the step costs target bytes + k x drafter bytes.
-Either choice is a starting point to tune on the serving hardware. measure() runs the whole engine
-(api.load_engine, imported when called) on the bundled prompt suites (suites.py).
+Either choice is a starting point to tune on the serving hardware. The export command runs the chain
+(cli.py) and choose_length turns what it measured into the two lengths.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..stats import SpecStats
+from .costs import load_or_calibrate
 
 CATEGORIES = ("chat", "code", "docs_qa")  # one short suite each: the export should take seconds, not minutes
+DEPTH = 8  # the forced chain acceptance is measured at
 
 
 @dataclass
@@ -44,29 +46,15 @@ def best_chain_length(acceptance: list[float], draft_cost: float, verify_cost) -
     return 1 + max(range(len(speed)), key=speed.__getitem__), tokens, speed
 
 
-def measure(target_dir, drafter_dir, *, depth: int = 8, prompts_per_category: int = 2,
-            max_new_tokens: int = 48) -> LengthChoice:  # fmt: skip
-    """Chain acceptance with speculation forced at `depth`, on the bundled suites, fp32 greedy."""
-    from ..api import generate, load_engine
-    from ..suites import load_prompts
-    from .costs import load_or_calibrate
-
-    engine = load_engine(target_dir, drafter_dir, mode="chain", chain_k=depth, adaptive=False, dtype="fp32")
-    if engine.tokenizer is None:
-        raise ValueError(f"{target_dir} has no tokenizer; pass --num-speculative-tokens to skip the measurement")
-    context = engine.target.cfg.max_position_embeddings
-    prompts, _ = load_prompts(list(CATEGORIES), engine.tokenizer, limit=prompts_per_category,
-                              max_new_tokens=max_new_tokens, max_length=context)  # fmt: skip
-    stats = SpecStats()
-    flat = [p.ids for ps in prompts.values() for p in ps]
-    for ids in flat:
-        stats = stats.merge(generate(engine, [ids], max_new_tokens=max_new_tokens).stats)
-    costs = load_or_calibrate(engine.target, engine.drafter, 1)
+def choose_length(engine, stats: SpecStats, depth: int, prompts: int) -> LengthChoice:
+    """The lengths from a forced chain of `depth` (its SpecStats over `prompts` prompts) on `engine`: this
+    machine's calibrated costs for the engine's pair (speculation/costs.py), and the bytes model."""
     acceptance = stats.per_position_acceptance + [0.0] * (depth - len(stats.per_position_acceptance))
+    costs = load_or_calibrate(engine.target, engine.drafter, 1)
     k_here, _, speed_here = best_chain_length(acceptance, costs.draft_cost(1), costs.verify_cost)
     ratio = weight_bytes(engine.drafter, skip=("embed_tokens",)) / weight_bytes(engine.target)
     k_bw, _, speed_bw = best_chain_length(acceptance, ratio, lambda n: 1.0)
-    return LengthChoice(k_here, k_bw, acceptance, speed_here, speed_bw, ratio, len(flat))
+    return LengthChoice(k_here, k_bw, acceptance, speed_here, speed_bw, ratio, prompts)
 
 
 def weight_bytes(model, skip=()) -> int:
