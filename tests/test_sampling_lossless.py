@@ -74,7 +74,7 @@ def test_speculative_sampling_matches_target(model, mode, params, confidence, ng
     target, hf = model
     if mode == "auto":  # fixed costs of a machine where verifying more nodes is cheap: the policy's trees,
         # not whether this (shared, busy) machine's calibration happens to make them pay, are under test
-        import eaglespec.engine as engine_module
+        import eaglespec.speculation.policies as engine_module
 
         def cheap(target, drafter, batch, **_):
             return StepCosts(batch, {n: 0.01 + 1e-5 * n for n in (1, 2, 4, 8, 16, 32)}, {k: 1e-3 for k in (1, 2, 4, 8)})
