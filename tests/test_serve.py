@@ -246,6 +246,26 @@ def test_models_health_and_metrics(server):
     assert any(k.startswith("eaglespec:spec_decode_steps_total{") and 'width="4"' in k for k in after)
 
 
+def test_adversarial_inputs_get_clear_400s_and_client_message_dumps_are_accepted(server):
+    raw = '{"prompt": "\\ud800abc", "max_tokens": 2}'  # a lone surrogate, legal JSON, not encodable text
+    for body in [raw, '{"prompt": ["fine", "\\ud800"], "max_tokens": 2}',
+                 '{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}']:  # fmt: skip
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = server.post(path, body)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (body, r.text)
+    # what the official client returns as choices[0].message, appended to the conversation as it is
+    first = server.client.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0)  # fmt: skip
+    reply = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call", "tool_calls"} <= set(reply)
+    again = server.client.chat.completions.create(model="target", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "And?"}])  # fmt: skip
+    assert again.choices[0].message.content is not None
+    reply["tool_calls"] = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, reply], "max_tokens": 2})
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"]
+
+
 def _wait_idle(server, timeout=10.0) -> float:
     core = server.app.state.engine.core
     t0 = time.time()
@@ -274,6 +294,11 @@ def test_client_disconnect_aborts_streaming_and_plain_requests(server):
 def test_api_key_queue_limit_timeout_and_graceful_shutdown():
     s = Server(api_key="sekret", max_queue=1, max_num_seqs=1, request_timeout=1.5)
     try:
+        fresh = s.metrics()  # every vLLM series is there before the first request, at 0
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                     "vllm:spec_decode_num_drafts_total", "vllm:time_to_first_token_seconds_count"):  # fmt: skip
+            assert fresh[name + '{model_name="target"}'] == 0, name
+        assert any(k.startswith("vllm:request_success_total{") for k in fresh)
         r = s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
         auth = {"authorization": "Bearer sekret"}
@@ -289,7 +314,12 @@ def test_api_key_queue_limit_timeout_and_graceful_shutdown():
         codes = sorted(r.status_code for r in asyncio.run(burst()))
         assert 429 in codes and codes.count(408) >= 1  # the long ones ran into the 1.5 s timeout
         r429 = next(r for r in asyncio.run(burst()) if r.status_code == 429)
-        assert "max-queue" in r429.json()["error"]["message"]
+        assert "max-queue" in r429.json()["error"]["message"] and r429.headers["retry-after"] == "1"
+        # more prompts x n than the queue can ever hold: a 400 saying so, not a 429 to retry for nothing
+        r = s.post("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, headers=auth)
+        assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"]
+        r = s.post("/v1/completions", {"prompt": "a", "n": 2, "max_tokens": 2}, headers=auth)
+        assert r.status_code == 400 and "prompts x n" in r.json()["error"]["message"]
         _wait_idle(s)
         # graceful shutdown: a request in flight when the server is told to stop still completes
         result = {}

@@ -29,6 +29,7 @@ from .protocol import (
     chat_prompt,
     new_id,
     now,
+    prompt_count,
     prompts_of,
     spec_stats,  # fmt: skip
     usage,
@@ -68,7 +69,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.status == 429 else None  # retryable: the queue drains
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, e: RequestValidationError):
@@ -105,6 +107,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, http: HttpRequest):
         _check_common(body)
+        asked = prompt_count(body) * body.n
+        if asked > engine.max_queue:  # can never be queued whole: not worth a retry (checked before tokenizing)
+            raise ApiError(400, f"the request asks for {asked} completions (prompts x n) but this server queues at "
+                                f"most {engine.max_queue} (--max-queue); send at most {engine.max_queue} per request",
+                           param="prompt")  # fmt: skip
         prompts = prompts_of(body, tokenizer)
         items = [it for p in prompts for it in _items(body, p, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)]
         return await _respond(http, body, items, chat=False)

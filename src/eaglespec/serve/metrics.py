@@ -54,6 +54,12 @@ class ServerMetrics:
         self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
                               "Histogram of time_per_output_token_seconds per request.", label,
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        # every series exists from the start (0 before the first request), as vLLM's do
+        for metric in (self.drafts, self.draft_tokens, self.accepted, self.prompt_tokens, self.generation_tokens,
+                       self.running, self.waiting, self.kv_usage, self.ttft, self.itl, self.e2e, self.tpot):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
 
     def observe_spec(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
         m = self.model_name

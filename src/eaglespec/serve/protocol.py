@@ -97,6 +97,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    # fields the official client puts on the messages it returns (choices[0].message.model_dump()): accepted
+    # when null or empty, so a reply can be appended to the conversation as it is
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+    tool_calls: list | None = None
+
+    def check_supported(self) -> None:
+        for name in ("refusal", "annotations", "audio", "function_call", "tool_calls"):
+            if getattr(self, name):
+                raise ApiError(400, f"message field {name!r} is not supported by this text-only server (null or "
+                                    "empty is accepted)", param=f"messages.{name}")  # fmt: skip
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -130,13 +143,34 @@ def prompts_of(req: CompletionRequest, tokenizer) -> list[list[int]]:
         texts = list(p)
     if tokenizer is None:
         raise ApiError(400, "the model has no tokenizer; send the prompt as token ids", param="prompt")
+    for t in texts:
+        check_text(t, "prompt")
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def prompt_count(req: CompletionRequest) -> int:
+    """How many prompts the request holds, without tokenizing them."""
+    p = req.prompt
+    return 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
+
+
+def check_text(text: str, param: str) -> None:
+    """Text a tokenizer can encode: no lone UTF-16 surrogate (JSON allows "\\ud800"; UTF-8 cannot hold it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the {param} holds an unpaired UTF-16 surrogate ({text[e.start]!r} at character "
+                            f"{e.start}); send valid Unicode text", param=param) from None  # fmt: skip
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "the model has no chat template; use /v1/completions", param="messages")
+    for m in req.messages:
+        m.check_supported()
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    for m in messages:
+        check_text(m["content"], "messages")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # template errors (e.g. role order) carry the useful message
