@@ -261,6 +261,13 @@ def test_adversarial_inputs_get_clear_400s_and_client_message_dumps_are_accepted
     again = server.client.chat.completions.create(model="target", max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "And?"}])  # fmt: skip
     assert again.choices[0].message.content is not None
+    # a body larger than the context could ever hold: 413 before it is parsed or tokenized, sized or chunked
+    huge = json.dumps({"prompt": "x" * (3 << 20), "max_tokens": 2}).encode()
+    for content in (huge, iter([huge[i : i + 65536] for i in range(0, len(huge), 65536)])):
+        r = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health").status_code == 200
     reply["tool_calls"] = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, reply], "max_tokens": 2})
     assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"]

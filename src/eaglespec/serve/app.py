@@ -36,6 +36,8 @@ from .protocol import (
 )
 
 DISCONNECT_POLL_S = 0.1
+MIN_BODY_LIMIT = 1 << 20  # bytes; the limit grows with the context (BODY_BYTES_PER_TOKEN)
+BODY_BYTES_PER_TOKEN = 64  # far above any tokenizer's bytes per token: a body past it cannot fit the context
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 
 
@@ -60,6 +62,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="eaglespec", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * max_length))
 
     async def check_key(request: HttpRequest) -> None:
         if config.api_key is None:
@@ -112,14 +115,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise ApiError(400, f"the request asks for {asked} completions (prompts x n) but this server queues at "
                                 f"most {engine.max_queue} (--max-queue); send at most {engine.max_queue} per request",
                            param="prompt")  # fmt: skip
-        prompts = prompts_of(body, tokenizer)
+        prompts = await asyncio.to_thread(prompts_of, body, tokenizer)  # off the event loop: /health stays live
         items = [it for p in prompts for it in _items(body, p, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)]
         return await _respond(http, body, items, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         _check_common(body)
-        prompt = chat_prompt(body, tokenizer)
+        prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)
         limit = body.max_completion_tokens or body.max_tokens or max(1, max_length - len(prompt))
         return await _respond(http, body, _items(body, prompt, limit), chat=True)
 
@@ -166,6 +169,48 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "model": config.model_name, "choices": choices, **_totals(finals, body.n)}  # fmt: skip
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 (OpenAI error body) before it is read
+    whole, parsed or tokenized, whether it announces its length or is sent in chunks."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send)
+        seen, refused = 0, False
+
+        async def counted():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # a chunked body past the limit: answer now, the app sees a disconnect
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not refused:  # after the 413, whatever the app answers to the disconnect is dropped
+                await send(message)
+
+        await self.app(scope, counted, guarded_send)
+
+    async def _refuse(self, send):
+        body = json.dumps(ApiError(413, f"the request body is larger than {self.limit} bytes, more than this "
+                                        "model's context can hold; send a shorter prompt").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def _collect(engine: AsyncEngine, sub: Submission, config: ServerConfig, http: HttpRequest):

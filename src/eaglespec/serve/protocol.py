@@ -29,7 +29,8 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+        self.type = type_ or {400: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error",
+                              404: "not_found_error",
                               408: "timeout_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
             status, "server_error")  # fmt: skip
 
