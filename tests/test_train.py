@@ -377,3 +377,16 @@ def test_long_context_options_window_crop_and_warm_start(learn, tmp_path):
     with pytest.raises(ValueError, match="fc_norm=True"):
         Trainer(_cfg(learn, tmp_path / "e", steps=2, init_from=res["drafter"], fc_norm=False, norm_output=False),
                 progress=False)  # fmt: skip
+
+
+def test_config_refuses_bad_values_when_made(tmp_path):
+    """Values that used to fail only when used (a save dtype at the run's end) fail at construction."""
+    from eaglespec.train.config import TrainConfig
+
+    base = {"target": str(tmp_path), "data": str(tmp_path), "out": str(tmp_path / "run")}
+    for bad, needle in [({"save_dtype": "fp8"}, "save-dtype"), ({"eval_mode": "beam"}, "eval-mode"),
+                        ({"micro_batch": 0}, "micro-batch"), ({"eval_every": -1}, "eval-every"),
+                        ({"steps": 0}, "steps")]:  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            TrainConfig(**base, **bad)
+    assert TrainConfig(**base, eval_every=0, save_every=0).eval_every == 0  # 0: never

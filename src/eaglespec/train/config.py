@@ -76,6 +76,15 @@ class TrainConfig:
             raise ValueError("--draft-context needs the target in the loop (online training), not --states")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.save_dtype not in ("fp32", "bf16", "fp16"):  # checked now, not when the run saves at its end
+            raise ValueError(f"save-dtype must be fp32, bf16 or fp16, got {self.save_dtype!r}")
+        if self.eval_mode not in ("chain", "tree"):
+            raise ValueError(f"eval-mode must be chain or tree, got {self.eval_mode!r}")
+        for name, least in (("steps", 1), ("batch_size", 1), ("micro_batch", 1), ("eval_chain_k", 1),
+                            ("save_every", 0), ("eval_every", 0)):  # fmt: skip  (0: never)
+            value = getattr(self, name, None)
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
 
     def check_processes(self, world: int) -> None:
         """The global batch must split evenly over the `world` processes."""
