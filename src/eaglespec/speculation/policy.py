@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costs import StepCosts
+from .tree import depth_table
 
 
 @dataclass
@@ -120,11 +121,14 @@ class StepPlan:
     top_k: int
     depth: int
 
-    def keep_drafting(self, level: int, scores: torch.Tensor, depths: torch.Tensor,
-                      next_scores: torch.Tensor) -> bool:  # fmt: skip
+    def keep_drafting(self, level: int, scores: list[torch.Tensor], depths: list[int], frontier: torch.Tensor,
+                      cond: torch.Tensor) -> bool:  # fmt: skip
         acc, p = self.policy.acceptance, self.policy
-        nxt = acc.eagle_q(next_scores, torch.full_like(next_scores, level + 1, dtype=torch.long))
-        return p.keep_drafting(level, acc.eagle_q(scores, depths), nxt, p.draft_seconds(level, self.top_k))
+        # the next level's children, guessed from the conditional log-probs this level showed
+        guess = (frontier[:, :, None] + cond[:, None, :]).reshape(frontier.shape[0], -1)
+        nxt = acc.eagle_q(guess, torch.full_like(guess, level + 1, dtype=torch.long))
+        q = acc.eagle_q(torch.cat(scores, 1), depth_table(scores, depths))
+        return p.keep_drafting(level, q, nxt, p.draft_seconds(level, self.top_k))
 
     def num_nodes(self, scores: torch.Tensor, depths: torch.Tensor, levels: int) -> int:
         p = self.policy

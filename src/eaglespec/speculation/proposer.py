@@ -17,20 +17,22 @@ import torch
 from ..kv_cache import KVCache, causal_mask
 from ..models.drafter import Eagle3Drafter
 from .config import TreeShape
-from .tree import Candidates, DraftTree, build_tree, root_only
+from .tree import Candidates, DraftTree, build_tree, depth_table, root_only
 
 
 class DraftShape(Protocol):
     """The shape a proposer grows a tree to: its width (top-k) and maximum depth, and two decisions,
     made with what each level showed: draft another level? how many nodes to verify (0: root only)?
-    scores [B, M] cumulative log-probs of the candidates so far and depths [B, M] their depths;
-    next_scores [B, K*K] the guessed cumulative log-probs of the next level's children."""
+    keep_drafting gets the levels so far (scores: one [B, n] tensor of cumulative log-probs per level,
+    depths: their depths), the frontier's cumulative log-probs [B, K] and the conditional log-probs [B, K]
+    the last level showed (a guess of the next level's); num_nodes gets every candidate's score and depth
+    [B, M]. Lists, not one tensor: a fixed shape needs only the frontier, so nothing is concatenated for it."""
 
     top_k: int
     depth: int
 
-    def keep_drafting(self, level: int, scores: torch.Tensor, depths: torch.Tensor,
-                      next_scores: torch.Tensor) -> bool: ...  # fmt: skip
+    def keep_drafting(self, level: int, scores: list[torch.Tensor], depths: list[int], frontier: torch.Tensor,
+                      cond: torch.Tensor) -> bool: ...  # fmt: skip
 
     def num_nodes(self, scores: torch.Tensor, depths: torch.Tensor, levels: int) -> int: ...
 
@@ -52,11 +54,8 @@ class FixedShape:
     def depth(self) -> int:
         return self.tree.depth
 
-    def keep_drafting(self, level, scores, depths, next_scores) -> bool:
-        if self.confidence <= 0:
-            return True
-        frontier = scores[:, depths[0] == level]  # the last level's candidates (the frontier is their top-k)
-        return not bool((frontier < math.log(self.confidence)).all())
+    def keep_drafting(self, level, scores, depths, frontier, cond) -> bool:
+        return self.confidence <= 0 or not bool((frontier < math.log(self.confidence)).all())
 
     def num_nodes(self, scores, depths, levels) -> int:
         if self.confidence <= 0:
@@ -117,9 +116,7 @@ class EagleProposer:
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
         offset, levels = k, 1
         for level in range(1, depth):
-            # the next level's children, guessed from the conditional log-probs this level showed
-            guess = (f_score[:, :, None] + cond[:, None, :]).reshape(b, k * k)
-            if not shape.keep_drafting(level, torch.cat(scores, 1), _depth_table(scores, depths), guess):
+            if not shape.keep_drafting(level, scores, depths, f_score, cond):
                 break
             seen = torch.cat([anc, eye], dim=-1)  # ancestors (earlier levels) + self
             positions = (last_pos + level).expand(b, k)
@@ -146,13 +143,9 @@ class EagleProposer:
             offset += k * k
         cache.commit(rows, torch.full((b,), -k * (levels - 1)))  # drop the tree levels' KV
         all_scores = torch.cat(scores, 1)
-        depth_t = _depth_table(scores, depths)
+        depth_t = depth_table(scores, depths)
         cand = Candidates(torch.cat(tokens, 1), all_scores, torch.cat(parents, 1), depth_t)
         num_nodes = shape.num_nodes(all_scores, depth_t, levels)
         if num_nodes == 0:
             return root_only(root)
         return build_tree(root, cand, num_nodes, levels)
-
-
-def _depth_table(scores: list[torch.Tensor], depths: list[int]) -> torch.Tensor:
-    return torch.cat([torch.full(s.shape, d, dtype=torch.long, device=s.device) for s, d in zip(scores, depths)], 1)

@@ -88,3 +88,8 @@ def build_tree(root: torch.Tensor, cand: Candidates, num_nodes: int, max_depth: 
     depth = torch.cat([torch.zeros_like(minus1), cand.depth.gather(1, keep)], dim=1)
     score = torch.cat([torch.zeros(b, 1, device=root.device), cand.scores.float().gather(1, keep)], dim=1)
     return DraftTree(tokens, parent, depth, ancestor_mask(parent, max_depth), score)
+
+
+def depth_table(scores: list[torch.Tensor], depths: list[int]) -> torch.Tensor:
+    """[B, M] the depth of every candidate, level by level as in torch.cat(scores, 1)."""
+    return torch.cat([torch.full(s.shape, d, dtype=torch.long, device=s.device) for s, d in zip(scores, depths)], 1)
