@@ -8,7 +8,8 @@ the Python API share one set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 MODES = ("auto", "tree", "chain", "off")
 AUTO_WIDTHS = (1, 2, 4)  # drafting widths the policy chooses among (1 = chain)
@@ -88,13 +89,13 @@ class SpecConfig:
 
     def without_drafter(self) -> SpecConfig:
         """The config an engine runs with when it has no drafter: plain decoding."""
-        return self if self.mode == "off" else SpecConfig(**{**self.__dict__, "mode": "off"})
+        return self if self.mode == "off" else replace(self, mode="off")
 
     @property
     def speculates(self) -> bool:
         return self.mode != "off"
 
-    @property
+    @cached_property  # read every decoding step; the config is frozen
     def shape(self) -> TreeShape | None:
         """The drafting shape: a fixed tree or chain, or auto's maxima (depth, width, nodes); None when off."""
         if self.mode == "off":
@@ -103,19 +104,19 @@ class SpecConfig:
             return TreeShape(self.tree.depth if self.tree else AUTO_MAX_DEPTH, max(AUTO_WIDTHS), AUTO_MAX_NODES)
         return TreeShape.chain(self.chain_k) if self.mode == "chain" else (self.tree or TreeShape())
 
-    @property
+    @cached_property  # read every decoding step; the config is frozen
     def copied_tokens(self) -> int:
         """Most tokens copied from the context per step (the hybrid proposer); 0 when off."""
         if self.mode == "off":
             return 0
         return self.ngram_tokens if self.ngram_tokens is not None else (NGRAM_MAX if self.mode == "auto" else 0)
 
-    @property
+    @cached_property  # read every decoding step; the config is frozen
     def prefill_window(self) -> int | None:
         """The drafter's prefill window as the core uses it: None means the whole prompt."""
         return self.draft_prefill_window or None
 
-    @property
+    @cached_property  # read every decoding step; the config is frozen
     def tree_slack(self) -> int:
         """Cache positions a step may write past a row's committed tokens (tree nodes, copied tokens)."""
         shape = self.shape
