@@ -172,11 +172,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_drafts: bool = False,
                    help=_help("auto: the fastest precision on this device whose verification rounds like plain "
                               "steps, measured (models/precision.py)", "dtype"))  # fmt: skip
     r.add_argument("--compile", choices=["auto", "on", "off"], help=COMPILE_HELP)
-    r.add_argument("--quantize", choices=QUANTIZE_CHOICES,
-                   help="quantize the target's decoder layers at load (models/quantize.py; README: Quantized "
-                        "targets): int8/int4 weight-only, w8a8 int8 weights and per-token int8 activations"
-                        + (f"; {quantize_effect}" if quantize_effect else "") + " (default: none)")  # fmt: skip
-    r.add_argument("--quantize-group", type=int, help="int4: input channels per scale (default 128)")
+    add_quantize_args(r, quantize_effect, default=None)  # None: not given (EngineSettings says none)
     r.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
 
 
@@ -196,9 +192,10 @@ def settings_from_args(args: argparse.Namespace) -> tuple[EngineSettings, set[st
     return settings, given
 
 
-def add_quantize_args(p, effect: str, default: str | None = "none") -> None:
-    """--quantize and --quantize-group alone, for the commands without the engine flags (data, train)."""
+def add_quantize_args(p, effect: str = "", default: str | None = "none") -> None:
+    """--quantize and --quantize-group: part of the engine flags, and alone for data and train."""
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=default,
                    help="quantize the target's decoder layers at load (models/quantize.py; README: Quantized "
-                        f"targets): int8/int4 weight-only, w8a8 int8 weights and per-token int8 activations; {effect}")
+                        "targets): int8/int4 weight-only, w8a8 int8 weights and per-token int8 activations"
+                        + (f"; {effect}" if effect else "") + " (default: none)")  # fmt: skip
     p.add_argument("--quantize-group", type=int, default=None, help="int4: input channels per scale (default 128)")

@@ -81,10 +81,12 @@ def gguf_folder(path, *, log=None) -> Path:
     """The HF folder (config.json, model.safetensors, tokenizer) of a GGUF target, converting it the
     first time. log(msg): told when a conversion runs."""
     path = Path(path)
-    arch = check_gguf(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {str(path)!r} does not exist")
     folder = cache_dir() / "gguf" / f"{path.stem}-{content_hash(path)}"
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file():  # converted before: neither read nor checked again
         return folder
+    arch = check_gguf(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     for stale in folder.parent.glob(f"{folder.name}.partial-*"):
         pid = stale.name.rsplit("-", 1)[-1]
