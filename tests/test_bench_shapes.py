@@ -11,6 +11,7 @@ from eaglespec.bench.shapes import SHAPES, Shape, ensure_shape, hf_config, param
 from eaglespec.cli import main
 from eaglespec.models.checkpoint import load_drafter, load_target
 from eaglespec.models.llama import TargetConfig
+from eaglespec.settings import default_models_dir
 
 TINY = Shape("qwen2", {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
@@ -101,8 +102,9 @@ def test_bench_on_a_shape_with_synthetic_acceptance(tmp_path, monkeypatch, fake_
 
 def test_bundled_target_synthetic_rows_are_not_lossless(tmp_path, fake_bandwidth):
     out = tmp_path / "out"
-    rc = main(["bench", "--synthetic-acceptance", "0.9,0.8,0.7,0.6", "--methods", "plain,chain", "--limit", "1",
-               "--max-new-tokens", "16", "--categories", "chat", "--out", str(out)])  # fmt: skip
+    rc = main(["bench", "--target", str(default_models_dir() / "target"), "--synthetic-acceptance",
+               "0.9,0.8,0.7,0.6", "--methods", "plain,chain", "--limit", "1", "--max-new-tokens", "16",
+               "--categories", "chat", "--out", str(out)])  # fmt: skip
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
     methods = {m["name"]: m for m in report["methods"]}

@@ -85,6 +85,29 @@ def test_abort_frees_the_slot_and_leaves_the_others_untouched(engine):
     assert not any(core.tcache.in_use)
 
 
+def test_running_rows_stay_packed_in_slots_0_to_n_and_decode_as_alone(engine):
+    """Rows of different lengths finish at different steps and queued ones take their place: before every
+    step the running rows sit in slots 0..n-1 in batch order (the cache reads them as views, no gather),
+    and each request still decodes exactly what it decodes alone."""
+    reqs = [Request([(5 * i + j) % 96 for j in range(6 + 3 * i)], 4 + 7 * (i % 4)) for i in range(9)]
+    core = engine.new_core(max_num_seqs=4, max_num_batched_tokens=8)
+    ids = [core.add_request(r) for r in reqs]
+    outputs, packed = {}, 0
+    while core.has_work:
+        for o in core.step():
+            outputs[o.request_id] = o.output_ids
+        core._run_deferred_extend()
+        core._pack_slots()  # what the next step starts with
+        slots = [r.slot for r in core.running]
+        assert slots == list(range(len(slots))), slots
+        live = {r.slot for r in core.running + core.scheduler.prefilling}
+        assert [i for i, used in enumerate(core.tcache.in_use) if used] == sorted(live)
+        packed += len(slots) > 1
+    assert packed > 5
+    assert [outputs[i] for i in ids] == [_alone(engine, r) for r in reqs]
+    assert not any(core.tcache.in_use) and not any(core.dcache.in_use)
+
+
 def test_invalid_settings_are_clear_errors(engine):
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine.new_core(max_num_seqs=0)

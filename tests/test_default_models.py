@@ -1,4 +1,5 @@
-"""The bundled default models (models/): they load, generate losslessly, and the drafters really accept."""
+"""The bundled 8.4M test model and its drafters (models/): they load, generate losslessly, and the drafters
+really accept. SmolLM2, the default target, is tests/test_smollm2.py's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import pytest
 
 from eaglespec.api import generate, load_engine
-from eaglespec.cli import main
 from eaglespec.settings import default_models_dir
 from eaglespec.speculation.config import TreeShape
 
@@ -43,11 +43,3 @@ def test_default_drafters_are_lossless_and_accept(plain, name, mode):
     assert out.stats.tau > 1.5, out.stats.tau  # trained drafters, not random ones (tau ~1.0)
     cfg = json.loads((MODELS / name / "config.json").read_text())
     assert bool(cfg.get("fc_norm")) == bool(cfg.get("norm_output")) == (name == "drafter-eagle3.1")
-
-
-def test_main_job_uses_the_bundled_models(capsys):
-    assert main(["generate", "--chat", "--prompt", "How are you today?", "--max-new-tokens", "20"]) == 0
-    cap = capsys.readouterr()
-    out = cap.out
-    assert "mode=auto" in out and "tau=" in out and "tokens/s=" in out and "policy:" in out
-    assert "precision:" in cap.err  # says what --dtype auto chose and why

@@ -204,7 +204,7 @@ def test_cli_bad_input_is_a_clear_error(pair_on_disk, tmp_path, capsys, args, ne
 def test_cli_without_bundled_drafters_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EAGLESPEC_MODELS", str(tmp_path))
     assert main(["drift", "--out", str(tmp_path / "out")]) == 2
-    assert "no bundled drafter" in capsys.readouterr().err
+    assert "none is bundled for this target" in capsys.readouterr().err
 
 
 def test_cli_default_prompts_with_a_chat_template(tmp_path, capsys):

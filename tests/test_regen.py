@@ -85,6 +85,22 @@ def test_regen_resumes_after_interruption(toy, tmp_path):
         regen(src, out, target=toy, max_new_tokens=7, shard_size=2, progress=False)
 
 
+def test_regen_limit_grows_or_shrinks_by_whole_shards_only(toy, tmp_path):
+    """--limit moved by whole shards keeps the shards already written (a long regen can ship a prefix and
+    grow later); one that cuts a shard is refused, since that shard's prompts would change."""
+    src = _write(tmp_path / "in.jsonl", [{"prompt": f"print({i})"} for i in range(6)])
+    out = tmp_path / "data"
+    regen(src, out, target=toy, max_new_tokens=4, shard_size=2, limit=2, progress=False)
+    first = (out / "shard-00000.safetensors").read_bytes()
+    stats = regen(src, out, target=toy, max_new_tokens=4, shard_size=2, limit=6, progress=False)
+    assert stats["samples"] == 4 and (out / "shard-00000.safetensors").read_bytes() == first
+    assert len(load_samples(out)) == 6 and json.loads((out / "manifest.json").read_text())["complete"]
+    assert regen(src, out, target=toy, max_new_tokens=4, shard_size=2, limit=4, progress=False)["samples"] == 0
+    assert len(load_samples(out)) == 4  # the manifest now lists the first two shards only
+    with pytest.raises(DataError, match="num_inputs"):
+        regen(src, out, target=toy, max_new_tokens=4, shard_size=2, limit=5, progress=False)
+
+
 def test_regen_and_states_split_across_machines(toy, tmp_path):
     """--part I/N: N machines sharing one output directory write the same shards one machine would."""
     import json

@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from eaglespec.serve.cli import add_parser, build_server
 from eaglespec.settings import default_models_dir
@@ -25,8 +24,9 @@ PROMPTS = ["The history of the city", "def read_config(path):\n", "Once upon a t
 def _args(**over) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
-    args = p.parse_args(["serve", "--port", "0", "--dtype", "fp32", "--mode", "tree", "--max-num-seqs", "4",
-                          "--no-adaptive", "--compile", "off"])  # always speculate: acceptance is on every response
+    args = p.parse_args(["serve", "--target", str(MODELS / "target"), "--port", "0", "--dtype", "fp32", "--mode",
+                         "tree", "--max-num-seqs", "4", "--no-adaptive", "--compile", "off"])
+    # --no-adaptive: always speculate, so acceptance is on every response
     for k, v in over.items():
         setattr(args, k, v)
     return args
@@ -36,8 +36,7 @@ class Server:
     """uvicorn in a thread; `url` once it listens; `stop()` is the graceful shutdown SIGTERM triggers."""
 
     def __init__(self, **over):
-        self.app, config = build_server(_args(**over))
-        self.server = uvicorn.Server(config)
+        self.app, self.server = build_server(_args(**over))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 120
@@ -348,3 +347,39 @@ def test_api_key_queue_limit_timeout_and_graceful_shutdown():
         assert result["done"] > stopped  # it was still running when the shutdown began
     finally:
         s.stop()
+
+
+def test_past_the_graceful_timeout_running_requests_end_with_an_error_not_a_cut():
+    """Requests that cannot finish within --graceful-timeout get an OpenAI error body (non-streaming) or an
+    SSE error event followed by [DONE] (streaming), not uvicorn's plain-text 500 or a truncated stream."""
+    s = Server(graceful_timeout=1.0, max_num_seqs=2)
+    long = {"prompt": PROMPTS[1], "max_tokens": 3000, "temperature": 0}  # greedy: runs on, no EOS
+    result = {}
+
+    def plain():
+        result["plain"] = s.post("/v1/completions", long)
+
+    def streamed():
+        with httpx.stream("POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            result["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while s.app.state.engine.core.num_running < 2:
+            assert time.time() < deadline, "the two requests did not start"
+            time.sleep(0.01)
+    finally:
+        s.stop()
+    for t in threads:
+        t.join(30)
+    r = result["plain"]
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json")
+    assert "--graceful-timeout 1 s" in r.json()["error"]["message"]
+    status, lines = result["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))
+    assert "--graceful-timeout" in error["error"]["message"]
+    assert len(lines) > 3  # it had streamed tokens before it was ended

@@ -169,7 +169,7 @@ def _add_export(sub):
                    "EAGLE's pytorch_model.bin)")  # fmt: skip
     p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     p.add_argument("--out", required=True, help="output directory (created)")
-    p.add_argument("--target", help="the drafter's target directory (default: the bundled target), checked "
+    p.add_argument("--target", help="the drafter's target (default: SmolLM2-135M-Instruct), checked "
                    "against the drafter; gives the default aux layer ids, embedding, GGUF tokenizer")  # fmt: skip
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="eagle3/speculators: weight dtype (default: as stored)")

@@ -121,6 +121,7 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """One forward of work; returns the requests that gained tokens (finished ones included)."""
         self._run_deferred_extend()
+        self._pack_slots()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -149,6 +150,28 @@ class EngineCore:
         self.tcache.free(slot)
         if self.dcache is not None:
             self.dcache.free(slot)
+
+    def _pack_slots(self) -> None:
+        """Put the running rows in slots 0..n-1, in batch order. The cache then reads the batch as views of
+        itself; rows in scattered slots are gathered, a copy of every row's K/V per layer and step (56 % of
+        a batch-64 decoding step, measured on SmolLM2). A finished row leaves a hole that the highest
+        running row moves into (a prefilling row there swaps places), and rows that joined are sorted in."""
+        running, n = self.scheduler.running, len(self.scheduler.running)
+        holes = sorted(set(range(n)) - {r.slot for r in running})
+        movers = sorted((r for r in running if r.slot >= n), key=lambda r: r.slot)
+        by_slot = {r.slot: r for r in self.scheduler.prefilling}
+        for r, hole in zip(movers, holes):
+            for cache in (self.tcache, self.dcache):
+                if cache is not None:
+                    cache.swap(r.slot, hole)
+            if hole in by_slot:  # a prefilling row held the hole: it takes the mover's old slot
+                by_slot[hole].slot = r.slot
+            r.slot = hole
+        order = sorted(range(n), key=lambda i: running[i].slot)
+        if order != list(range(n)):
+            self.scheduler.running = [running[i] for i in order]
+            self.state = self.state.select(order)
+            self._sampling = None
 
     def _keep_rows(self, keep: list[int]) -> None:
         self.state = self.state.select(keep) if keep else None

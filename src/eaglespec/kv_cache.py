@@ -121,6 +121,16 @@ class KVCache:
         self.in_use[slot] = False
         self.lengths[slot] = 0
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two slots (contents, lengths, use): how the core keeps its running rows in slots 0..n-1."""
+        n = int(max(self.lengths[a], self.lengths[b]))
+        if n:
+            pair, flipped = torch.tensor([a, b], device=self.device), torch.tensor([b, a], device=self.device)
+            for t in self.k + self.v:
+                t[pair, :, :n] = t[flipped, :, :n]
+        self.lengths[[a, b]] = self.lengths[[b, a]]
+        self.in_use[a], self.in_use[b] = self.in_use[b], self.in_use[a]
+
     def reset(self) -> None:
         self.lengths.zero_()
         self.in_use = [False] * self.num_slots

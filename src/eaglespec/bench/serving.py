@@ -29,7 +29,7 @@ STARTUP_TIMEOUT_S = 300
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-serving", help="serving benchmark: eaglespec serve (spec / plain) vs llama-server")
-    p.add_argument("--target", help="HF target model directory (default: the bundled target)")
+    p.add_argument("--target", help="HF target model directory (default: SmolLM2-135M-Instruct, the default target)")
     p.add_argument("--draft", help="drafter for our speculative server (default: bundled EAGLE-3.1)")
     p.add_argument("--llamacpp-draft", help="EAGLE-3 drafter for llama-server (default: bundled EAGLE-3)")
     p.add_argument("--systems", default="eaglespec_spec,eaglespec_plain,llamacpp_plain,llamacpp_eagle3")
@@ -180,7 +180,7 @@ def _start(system: str, args, target: Path, out: Path, max_conc: int) -> ChildSe
 
 def cmd_bench_serving(args) -> int:
     from ..api import load_tokenizer
-    from ..settings import default_models_dir, resolve_models
+    from ..settings import bundled_folder_for, resolve_models, smollm2_gguf
     from ..suites import parse_choices
     from .runner import cpu_name
 
@@ -189,7 +189,11 @@ def cmd_bench_serving(args) -> int:
     target, drafts = resolve_models(args.target, [args.draft] if args.draft else [],
                                     need_drafter="eaglespec_spec" in systems)  # fmt: skip
     args.draft = drafts[0] if drafts else None
-    args.llamacpp_draft = args.llamacpp_draft or default_models_dir() / "drafter-eagle3"  # llama.cpp: EAGLE-3 only
+    bundled = bundled_folder_for(args.target or smollm2_gguf())
+    if not args.llamacpp_draft and "llamacpp_eagle3" in systems:  # llama.cpp runs EAGLE-3 drafters only
+        if bundled is None or not (bundled / "drafter-eagle3" / "config.json").is_file():
+            raise ValueError("llamacpp_eagle3 needs --llamacpp-draft DIR (an EAGLE-3 drafter of this target)")
+        args.llamacpp_draft = bundled / "drafter-eagle3"
     levels = [int(x) for x in args.concurrency.split(",")]
     if not levels or min(levels) < 1:
         raise ValueError("--concurrency takes positive integers, e.g. 1,4,16,64")

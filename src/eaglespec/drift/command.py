@@ -24,8 +24,7 @@ def add_drift_parser(sub) -> None:
 
 
 def resolve_paths(target: str | None, drafts: list[str]) -> tuple[Path, list[Path]]:
-    """Like `generate`: the bundled target and drafters unless given (bundled drafters only with the
-    bundled target, which they were trained for)."""
+    """Like `generate`: the default target and every drafter bundled for it unless given."""
     from ..settings import resolve_models
 
     return resolve_models(target, drafts, every_default=True, need_drafter=True)

@@ -46,12 +46,13 @@ class Submission:
 
 @dataclass
 class _Command:
-    kind: str  # "add" | "abort"
+    kind: str  # "add" | "abort" | "end_all"
     request_id: int
     request: Request | None = None
     params: SamplingParams | None = None
     live: _Live | None = None
     done: concurrent.futures.Future | None = field(default=None)
+    note: str = ""  # end_all: the message every ended request gets
 
 
 class AsyncEngine:
@@ -84,6 +85,20 @@ class AsyncEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout)
+
+    def stop_accepting(self) -> None:
+        """New requests get 503 from now on; running ones go on (the start of a graceful shutdown)."""
+        with self._cv:
+            self._accepting = False
+
+    def end_all(self, message: str) -> None:
+        """Stop accepting and end every queued or running request now with a 503 saying `message` (the
+        end of a graceful shutdown that ran out of time): each client gets an OpenAI error body or an SSE
+        error event and [DONE], not a cut connection."""
+        with self._cv:
+            self._accepting = False
+            self._commands.append(_Command("end_all", -1, note=message))
+            self._cv.notify()
 
     @property
     def healthy(self) -> bool:
@@ -192,6 +207,8 @@ class AsyncEngine:
                 return
             self._live[cmd.request_id] = cmd.live
             cmd.done.set_result(cmd.request_id)
+        elif cmd.kind == "end_all":
+            self._end_all(ApiError(503, cmd.note))
         elif cmd.request_id in self._live:  # abort: frees the cache slot before the next step
             self.core.abort(cmd.request_id)
             del self._live[cmd.request_id]
@@ -228,9 +245,12 @@ class AsyncEngine:
             _put(live, (out.request_id, out))
 
     def _fail_all(self, error: Exception) -> None:
+        self._end_all(ApiError(500, f"the engine failed: {type(error).__name__}: {error}"))
+
+    def _end_all(self, error: ApiError) -> None:
         for rid, live in list(self._live.items()):
             self.core.abort(rid)
-            _put(live, (rid, ApiError(500, f"the engine failed: {type(error).__name__}: {error}")))
+            _put(live, (rid, error))
         self._live.clear()
 
 

@@ -29,13 +29,14 @@ def add_parser(sub) -> None:
 
 
 def build_server(args):
-    """(app, uvicorn config) from parsed arguments; tests and benchmarks start it on their own port."""
+    """(app, DrainingServer) from parsed arguments; tests and benchmarks start it on their own port."""
     import uvicorn
 
     from ..api import load_engine
     from .app import ServerConfig, create_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
+    from .server import DrainingServer
 
     settings, _ = settings_from_args(args)
     if settings.threads:
@@ -51,7 +52,7 @@ def build_server(args):
         print(f"[eaglespec] target quantized: {scheme_name(engine.target.quantization)}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")
-    name = args.served_model_name or Path(target).resolve().name
+    name = args.served_model_name or _served_name(settings.target)
     if engine.drafter is not None and engine.mode == "auto":
         t0 = time.perf_counter()
         buckets = engine.prepare_policies(args.max_num_seqs)  # cached on disk after the first start
@@ -63,15 +64,22 @@ def build_server(args):
     app = create_app(core_engine, ServerConfig(name, api_key=args.api_key, request_timeout=args.request_timeout))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.graceful_timeout)  # fmt: skip
+    server = DrainingServer(config, core_engine)
     dtype, why = engine.precision
     print(f"[eaglespec] serving {name!r} ({'plain' if engine.drafter is None else engine.mode}, {dtype}: {why}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
-    return app, config
+    return app, server
+
+
+def _served_name(target) -> str:
+    """The model name clients send by default: the folder's name, a GGUF file's stem, or the default's."""
+    if target is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(target)
+    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
-    _, config = build_server(args)
-    uvicorn.Server(config).run()
+    _, server = build_server(args)
+    server.run()
     return 0

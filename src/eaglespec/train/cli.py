@@ -14,7 +14,7 @@ def add_parsers(sub) -> None:
     dsub = data.add_subparsers(dest="data_command", required=True)
 
     p = dsub.add_parser("regen", help="regenerate assistant replies with the target -> token ids + loss masks")
-    p.add_argument("--target", help="HF target model directory with tokenizer (default: the bundled target)")
+    p.add_argument("--target", help="target folder or .gguf with a tokenizer (default: SmolLM2-135M-Instruct)")
     p.add_argument("--input", required=True, help='JSONL: {"messages": [...]} | {"prompt": str} | {"text": str}')
     p.add_argument("--out", required=True, help="output data directory (resumes when it exists)")
     p.add_argument("--draft", help="optional drafter to speed up generation (output is unchanged)")
@@ -33,14 +33,14 @@ def add_parsers(sub) -> None:
 
     p = dsub.add_parser("vocab", help="choose the draft vocabulary (d2t/t2d) and report its coverage")
     p.add_argument("--data", required=True, help="data directory from `data regen`")
-    p.add_argument("--target", help="target model directory (default: the bundled target)")
+    p.add_argument("--target", help="target model directory (default: SmolLM2-135M-Instruct, the default target)")
     p.add_argument("--size", type=int, required=True, help="draft vocabulary size Vd")
     p.add_argument("--out", required=True, help="directory for vocab.safetensors + vocab_report.json")
     p.set_defaults(func=cmd_vocab)
 
     p = dsub.add_parser("states", help="cache target aux states + top-k probabilities for offline training")
     p.add_argument("--data", required=True)
-    p.add_argument("--target", help="target model directory (default: the bundled target)")
+    p.add_argument("--target", help="target model directory (default: SmolLM2-135M-Instruct, the default target)")
     p.add_argument("--out", required=True)
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--part", default=None, metavar="I/N", help="machine I of N sharing --out: only shards I, I+N, ...")
@@ -49,7 +49,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_states)
 
     p = sub.add_parser("train", help="train an EAGLE-3.1 / EAGLE-3 drafter with training-time test")
-    p.add_argument("--target", help="target model directory (default: the bundled target)")
+    p.add_argument("--target", help="target model directory (default: SmolLM2-135M-Instruct, the default target)")
     p.add_argument("--data", required=True, help="data directory from `data regen`")
     p.add_argument("--out", required=True, help="run directory (checkpoints, final/, metrics, plots)")
     p.add_argument("--states", help="offline features from `data states` (default: online target forward)")

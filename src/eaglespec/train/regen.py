@@ -179,7 +179,10 @@ def regen(input_path, out_dir, *, target, draft=None, temperature=0.0, top_p=1.0
     num_shards = -(-len(items) // shard_size)
     if (out / "manifest.json").is_file():
         old = read_manifest(out)
-        differing = [k for k in settings if k != "target" and old.get(k) != settings[k]]
+        # a limit that moves by whole shards keeps every shard's prompts: the data grows or shrinks
+        whole = old.get("num_inputs", 0) % shard_size == 0 and len(items) % shard_size == 0
+        differing = [k for k in settings if k != "target" and old.get(k) != settings[k]
+                     and not (k == "num_inputs" and whole)]  # fmt: skip
         if differing:
             raise DataError(
                 f"{out} holds data made with other settings ({', '.join(differing)} differ); "
