@@ -108,14 +108,28 @@ class Scheduler:
         self._admit()
         if self.prefilling and not (self.running and self._decode_turn):
             self._decode_turn = True
-            group = self.prefilling[: self.max_num_batched_tokens]
-            remaining = max(len(r.request.prompt_ids) - r.done for r in group)
-            chunk = max(1, min(self.prefill_chunk, self.max_num_batched_tokens // len(group), remaining))
+            group, chunk = self._prefill_group()
             return SchedulerOutput("prefill", group, chunk)
         if self.running:
             self._decode_turn = False
             return SchedulerOutput("decode", self.running)
         return None
+
+    def _prefill_group(self) -> tuple[list[RequestState], int]:
+        """The prefilling rows of the next chunk and its width. Every row of a chunk is padded to its width,
+        so rows go together only when they fill at least half of it: the longest first, then the next
+        longest while their work fits max_num_batched_tokens (prompts of 35 and 487 tokens in one
+        [2, 487] forward spent more on padding than on tokens; batch-64 regeneration prefilled 3x the
+        tokens it had)."""
+        left = lambda r: len(r.request.prompt_ids) - r.done  # noqa: E731
+        rows = sorted(self.prefilling, key=left, reverse=True)
+        chunk = max(1, min(self.prefill_chunk, self.max_num_batched_tokens, left(rows[0])))
+        group = [rows[0]]
+        for r in rows[1:]:
+            if (len(group) + 1) * chunk > self.max_num_batched_tokens or 2 * min(left(r), chunk) < chunk:
+                break
+            group.append(r)
+        return group, chunk
 
     def start_decoding(self, rows: list[RequestState]) -> None:
         """Rows whose prompt is complete join the running batch (after the rows already there)."""
