@@ -19,7 +19,8 @@ OUT_MODELS=${OUT_MODELS:-models/smollm2}  # final drafters: $OUT_MODELS/drafter-
 SEED=${SEED:-0}                        # prompt mix, regen sampling and training seed
 COUNT=${COUNT:-8000}                   # training prompts (corpus train split; ~1M+ reply tokens)
 HELDOUT=${HELDOUT:-200}                # held-out prompts for tau figures (corpus validation split)
-BATCH=${BATCH:-32}                     # regen batch size
+LIMIT=${LIMIT:-}                       # regenerate only the first LIMIT prompts (a multiple of SHARD; grow it later)
+BATCH=${BATCH:-64}                     # regen batch size
 MAX_NEW=${MAX_NEW:-256}                # regen max new tokens per assistant turn
 TEMPERATURE=${TEMPERATURE:-0}          # regen temperature (0 = greedy)
 SHARD=${SHARD:-128}                    # regen prompts per shard (unit of resume)
@@ -53,7 +54,7 @@ stage() {
     dt=$(python -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
     log "stage $name: $action, ${dt} s"
     printf '%s\t%s\t%s\t%s\t%s\n' "$(date -Iseconds)" "$name" "$dt" "$action" \
-        "count=$COUNT batch=$BATCH max_new=$MAX_NEW vd=$VD steps=$STEPS depth=$DEPTH" >> "$TIMES"
+        "count=$COUNT limit=${LIMIT:-all} batch=$BATCH max_new=$MAX_NEW vd=$VD steps=$STEPS depth=$DEPTH" >> "$TIMES"
 }
 
 # 1. corpus
@@ -72,12 +73,13 @@ stage prompts "$a" do_prompts
 
 # 3. regen (resumes by itself from its finished shards)
 regen_complete() {
-    python -c "import json,sys; sys.exit(0 if json.load(open('$DATA/regen/manifest.json')).get('complete') else 1)" 2>/dev/null
+    python -c "import json,sys; m = json.load(open('$DATA/regen/manifest.json')); \
+sys.exit(0 if m.get('complete') and m['num_inputs'] == int('$LIMIT' or '$COUNT') else 1)" 2>/dev/null
 }
 do_regen() {
     OMP_NUM_THREADS=$THREADS eaglespec data regen --target "$TARGET" --input "$DATA/prompts.jsonl" \
         --out "$DATA/regen" --batch-size "$BATCH" --max-new-tokens "$MAX_NEW" --temperature "$TEMPERATURE" \
-        --seed "$SEED" --max-len "$MAX_LEN" --shard-size "$SHARD"
+        --seed "$SEED" --max-len "$MAX_LEN" --shard-size "$SHARD" ${LIMIT:+--limit "$LIMIT"}
     regen_complete || { log "regen did not complete"; exit 1; }
 }
 if regen_complete; then a=skip; elif [ -d "$DATA/regen" ]; then a=resume; else a=run; fi
