@@ -20,7 +20,7 @@ SEED=${SEED:-0}                        # prompt mix, regen sampling and training
 COUNT=${COUNT:-8000}                   # training prompts (corpus train split; ~1M+ reply tokens)
 HELDOUT=${HELDOUT:-200}                # held-out prompts for tau figures (corpus validation split)
 LIMIT=${LIMIT:-}                       # regenerate only the first LIMIT prompts (a multiple of SHARD; grow it later)
-BATCH=${BATCH:-64}                     # regen batch size
+BATCH=${BATCH:-32}                     # regen batch size (64 at max-len 2048 ran out of 24 GB: KV cache)
 MAX_NEW=${MAX_NEW:-256}                # regen max new tokens per assistant turn
 TEMPERATURE=${TEMPERATURE:-0}          # regen temperature (0 = greedy)
 SHARD=${SHARD:-128}                    # regen prompts per shard (unit of resume)

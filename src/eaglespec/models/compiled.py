@@ -3,7 +3,7 @@
 Why: on CPU a step of a small model is mostly per-op overhead (dozens of tiny element-wise kernels and
 oneDNN calls); inductor fuses the norms, RoPE, residual adds and SwiGLU into a few C++ kernels and calls
 MKL for the matmuls. Measured on a 2-vCPU Xeon (AMX) with the bundled target, fp32: a one-token step
-1.4 ms compiled vs 1.9 ms eager F.linear and 2.9 ms eager oneDNN-packed (BENCHMARKS §9).
+1.4 ms compiled vs 1.9 ms eager F.linear and 2.9 ms eager oneDNN-packed (BENCHMARKS.md, Speed at batch 1).
 
 Graphs: dynamo specialises on a step's structure (one token without a mask or several with one; aux
 capture on or off; slice or scatter cache writes; the drafter's extend or tree level), so each model

@@ -5,7 +5,7 @@ chunked fp32 GEMM that is exact on any CPU. `exact_int8_kernels` checks exactnes
 since CPUs without VNNI/AMX saturate pairs of u8 x s8 products in int16; every exact kernel gives the
 same bits. `fastest_int8_kernels` times them on a weight's shape, for one-row calls (plain steps) and
 for more rows (verification), and caches the choice per machine (machine.read_cached/write_cached);
-their cost stays nearly flat from 1 to 17 rows (BENCHMARKS.md §12, `scripts/bench/quant_kernels.py`).
+their cost stays nearly flat from 1 to 17 rows (BENCHMARKS.md, Quantized targets, `scripts/bench/quant_kernels.py`).
 Compiled graphs (models/compiled.py) call the oneDNN kernel through the `eaglespec::int8_matmul` custom
 op, since inductor cannot trace its packed weight. `quantize_rows` rounds activations row by row to the
 int8 steps these kernels take; every kernel here is row-invariant (a row's bits do not depend on the
@@ -119,7 +119,7 @@ def fastest_int8_kernels(shape: tuple[int, int]) -> tuple[str, str]:
     """Of the exact kernels, the fastest here for an [out, in] weight for one-row calls (plain steps) and
     for 4- and 17-row calls (verification). They give the same bits, so a layer may use one for plain
     steps and another for verification. Measured on a 2-vCPU EPYC: int_mm wins one-row calls on most
-    weights, oneDNN many-row calls and the largest weights (BENCHMARKS §12)."""
+    weights, oneDNN many-row calls and the largest weights (BENCHMARKS.md, Quantized targets)."""
     from ..machine import best_seconds, cpu_name, read_cached, write_cached
 
     names = exact_int8_kernels() or ("fp32",)

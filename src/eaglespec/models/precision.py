@@ -85,7 +85,7 @@ def choose_dtype(device: str, requested: str, *, hidden: int, intermediate: int,
 # Largest |logit difference| between a token's plain step and its verification forward that `--dtype
 # auto` accepts. fp32 on the bundled target measures ~4e-6 (summation order inside attention), which
 # never flipped a greedy token in the suites; bf16 on AVX-512 BF16 measures 0.06 and flipped 3 of 24
-# prompts (BENCHMARKS §9), so auto falls back to fp32 there.
+# prompts (BENCHMARKS.md, Speed at batch 1), so auto falls back to fp32 there.
 MAX_TREE_PLAIN_GAP = 1e-4
 
 

@@ -7,7 +7,7 @@ FusedQuantized, one matmul over several of them. The layouts:
         (dynamic, per token, symmetric: what llama.cpp's q8_0 CPU dot products and vLLM's W8A8-int8
         schemes compute); the int8 x int8 products are summed exactly in int32
 
-Kernels, measured in BENCHMARKS.md §12 (`scripts/bench/quant_kernels.py`): weight-only layers run torch's
+Kernels, measured in BENCHMARKS.md, Quantized targets (`scripts/bench/quant_kernels.py`): weight-only layers run torch's
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on bf16 activations (with fp32 activations they are
 4-20x slower than dense fp32; with bf16 a one-row call is several times faster than dense fp32, but the
 cost grows ~linearly with rows). W8A8 runs the fastest exact int8 kernel for the weight's shape and the
@@ -33,7 +33,7 @@ from torch import nn
 from . import int8_kernels  # looked up on the module, so a test can substitute the kernel choice
 
 BITS = (8, 4)
-DEFAULT_GROUP = 128  # int4: 0.14x of fp32's bytes with scales, against 0.19x at group 32 (BENCHMARKS §12)
+DEFAULT_GROUP = 128  # int4: 0.14x of fp32 bytes with scales, 0.19x at group 32 (BENCHMARKS.md, Quantized targets)
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
 INT4_ROWS = 16  # the int4 CPU kernel packs output channels in blocks of 16: others are zero-padded
 HELD_DTYPE = torch.bfloat16  # scales and zero points are held at bf16 precision (the kernels' smallest)
