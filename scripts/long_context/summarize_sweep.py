@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarize `eaglespec bench --sweep context` JSON files into the long-context goal table of BENCHMARKS §11.
+"""Summarize `eaglespec bench --sweep context` JSON files into the long-context goal table of BENCHMARKS.md, Long context.
 
 Per length: tau of each drafter and shape (mean over the text and needle prompts, weighted by drafts),
 tau relative to the same method at the shortest length, the EAGLE-3.1 / EAGLE-3 tau ratio, and the
