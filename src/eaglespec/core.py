@@ -169,7 +169,7 @@ class EngineCore:
             r.slot = hole
         order = sorted(range(n), key=lambda i: running[i].slot)
         if order != list(range(n)):
-            self.scheduler.running = [running[i] for i in order]
+            self.scheduler.reorder_running(order)
             self.state = self.state.select(order)
             self._sampling = None
 

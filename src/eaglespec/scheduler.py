@@ -116,20 +116,26 @@ class Scheduler:
         return None
 
     def _prefill_group(self) -> tuple[list[RequestState], int]:
-        """The prefilling rows of the next chunk and its width. Every row of a chunk is padded to its width,
-        so rows go together only when they fill at least half of it: the longest first, then the next
-        longest while their work fits max_num_batched_tokens (prompts of 35 and 487 tokens in one
-        [2, 487] forward spent more on padding than on tokens; batch-64 regeneration prefilled 3x the
-        tokens it had)."""
+        """The prefilling rows of the next chunk and its width. The oldest prefilling row sets the width (first
+        come, first served: nothing starves); every row of a chunk is padded to it, so others join only when
+        they fill at least half of it, while the chunk fits max_num_batched_tokens. (Prompts of 35 and 487
+        tokens in one [2, 487] forward spent more on padding than on tokens; batch-64 regeneration prefilled
+        3x the tokens it had.)"""
         left = lambda r: len(r.request.prompt_ids) - r.done  # noqa: E731
-        rows = sorted(self.prefilling, key=left, reverse=True)
-        chunk = max(1, min(self.prefill_chunk, self.max_num_batched_tokens, left(rows[0])))
-        group = [rows[0]]
-        for r in rows[1:]:
-            if (len(group) + 1) * chunk > self.max_num_batched_tokens or 2 * min(left(r), chunk) < chunk:
+        head, *rest = self.prefilling
+        chunk = max(1, min(self.prefill_chunk, self.max_num_batched_tokens, left(head)))
+        group = [head]
+        for r in rest:
+            if (len(group) + 1) * chunk > self.max_num_batched_tokens:
                 break
-            group.append(r)
+            if 2 * min(left(r), chunk) >= chunk:
+                group.append(r)
         return group, chunk
+
+    def reorder_running(self, order: list[int]) -> None:
+        """The running rows in a new batch order, `order` indexing the current one (the core keeps them in
+        slot order)."""
+        self.running = [self.running[i] for i in order]
 
     def start_decoding(self, rows: list[RequestState]) -> None:
         """Rows whose prompt is complete join the running batch (after the rows already there)."""
