@@ -157,6 +157,8 @@ class EngineCore:
         a batch-64 decoding step, measured on SmolLM2). A finished row leaves a hole that the highest
         running row moves into (a prefilling row there swaps places), and rows that joined are sorted in."""
         running, n = self.scheduler.running, len(self.scheduler.running)
+        if all(r.slot == i for i, r in enumerate(running)):  # the usual step: already packed
+            return
         holes = sorted(set(range(n)) - {r.slot for r in running})
         movers = sorted((r for r in running if r.slot >= n), key=lambda r: r.slot)
         by_slot = {r.slot: r for r in self.scheduler.prefilling}

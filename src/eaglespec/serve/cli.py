@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..settings import add_engine_args, resolve_models, settings_from_args
+from ..settings import add_engine_args, resolve_models, settings_from_args, smollm2_gguf
 
 
 def add_parser(sub) -> None:
@@ -52,7 +52,7 @@ def build_server(args):
         print(f"[eaglespec] target quantized: {scheme_name(engine.target.quantization)}", file=sys.stderr)
     if engine.tokenizer is None:
         raise ValueError(f"the target {target} has no tokenizer; the server needs one (tokenizer.json)")
-    name = args.served_model_name or _served_name(settings.target)
+    name = args.served_model_name or _served_name(settings.target or smollm2_gguf())
     if engine.drafter is not None and engine.mode == "auto":
         t0 = time.perf_counter()
         buckets = engine.prepare_policies(args.max_num_seqs)  # cached on disk after the first start
@@ -72,9 +72,7 @@ def build_server(args):
 
 
 def _served_name(target) -> str:
-    """The model name clients send by default: the folder's name, a GGUF file's stem, or the default's."""
-    if target is None:
-        return "SmolLM2-135M-Instruct"
+    """The model name clients send by default: a GGUF file's stem, else the folder's name."""
     path = Path(target)
     return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
 
