@@ -355,7 +355,7 @@ def gguf_content(path):
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_gguf_equals_llamacpp_converter_output(outtype, tmp_path):
     from eaglespec.bench.peers.llamacpp import llamacpp_root
-    from eaglespec.bench.peers.llamacpp_convert import convert_drafter, convert_target
+    from eaglespec.export.llamacpp_convert import convert_drafter, convert_target
 
     ours = export_drafter(EAGLE3, "gguf", tmp_path, target_dir=TARGET, outtype=outtype)
     root = llamacpp_root()

@@ -57,7 +57,7 @@ def test_gguf_target_loads_as_the_folder_it_was_written_from(bundled_gguf, cache
     assert folder.parent == cache / "gguf" and (folder / "tokenizer.json").is_file()
     ids = [[1, 5, 9, 200, 17, 3000, 42], [7] * 3 + list(range(100, 140))]
     plain = load_engine(TARGET, None, mode="off", dtype="fp32")
-    converted = load_engine(bundled_gguf, None, mode="off", dtype="fp32")
+    converted = load_engine(bundled_gguf, None, mode="off", dtype="fp32", runtime="torch")
     for p in ids:  # same greedy continuation, token for token
         assert generate(converted, [p], max_new_tokens=12).results[0].output_ids == \
             generate(plain, [p], max_new_tokens=12).results[0].output_ids
@@ -130,7 +130,7 @@ def test_smollm2_from_gguf_matches_transformers_on_the_same_file(cache):
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf()
-    engine = load_engine(path, None, mode="off", dtype="fp32")
+    engine = load_engine(path, None, mode="off", dtype="fp32", runtime="torch")
     ref = AutoModelForCausalLM.from_pretrained(str(gguf_mod.gguf_folder(path)), dtype=torch.float32).eval()
     tok = engine.tokenizer  # the file's own, saved by transformers' GGUF reader
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template

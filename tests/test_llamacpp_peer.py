@@ -10,7 +10,7 @@ import pytest
 
 from eaglespec.bench.methods import parse_kinds
 from eaglespec.bench.peers import llamacpp
-from eaglespec.bench.peers.llamacpp_convert import UnsupportedDrafter, check_drafter_supported, is_gpt2_byte_level
+from eaglespec.export.llamacpp_convert import UnsupportedDrafter, check_drafter_supported, is_gpt2_byte_level
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, EAGLE3, EAGLE31 = MODELS / "target", MODELS / "drafter-eagle3", MODELS / "drafter-eagle3.1"

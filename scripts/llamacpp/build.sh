@@ -12,11 +12,14 @@ JOBS="${JOBS:-2}"
 # token ids plus llama.cpp's own timings and draft counts (plain and --spec-type draft-eagle3 alike).
 # llama-speculative-simple: the same EAGLE-3 path from the command line, for manual cross-checks.
 # llama-quantize: q4_0 GGUFs for the int4 peer (the HF converter writes f32/bf16/f16/q8_0 only).
+# Shared libraries: the llama.cpp target runtime (src/eaglespec/models/llamacpp/) loads bin/libllama.so
+# through ctypes; the tools link the same libraries.
 TARGETS=(llama-server llama-speculative-simple llama-quantize)
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 all_built() {
     for t in "${TARGETS[@]}"; do [[ -x "$ROOT/build/bin/$t" ]] || return 1; done
+    [[ -f "$ROOT/build/bin/libllama.so" ]] || return 1
 }
 
 if all_built; then
@@ -38,7 +41,7 @@ else
     # Local files only: no curl/openssl, no web UI download or npm build, no tests.
     cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
-        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF >"$ROOT/cmake-configure.log"
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=ON >"$ROOT/cmake-configure.log"
     nice -n 10 cmake --build "$ROOT/build" --config Release -j"$JOBS" --target "${TARGETS[@]}"
     all_built && echo "llama.cpp built in $ROOT/build/bin"
 fi

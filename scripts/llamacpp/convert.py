@@ -4,7 +4,7 @@
 
 Needs scripts/llamacpp/build.sh first (the converter comes from its source tree). Outputs are cached under
 $EAGLESPEC_LLAMACPP/gguf (default ~/.cache/eaglespec/llama.cpp/gguf), keyed by the input files' sizes and mtimes.
-EAGLE-3.1 drafters are refused (llama.cpp has no fc_norm mapping). See src/eaglespec/bench/peers/llamacpp_convert.py.
+EAGLE-3.1 drafters are refused (llama.cpp has no fc_norm mapping). See src/eaglespec/export/llamacpp_convert.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from eaglespec.bench.peers.llamacpp import llamacpp_root, not_built_reason
-from eaglespec.bench.peers.llamacpp_convert import OUTTYPES, UnsupportedDrafter, convert_drafter, convert_target
+from eaglespec.export.llamacpp_convert import OUTTYPES, UnsupportedDrafter, convert_drafter, convert_target
 
 REPO = Path(__file__).resolve().parents[2]
 

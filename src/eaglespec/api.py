@@ -58,6 +58,68 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     return tgt, chosen, why
 
 
+RUNTIMES = ("auto", "torch", "llamacpp")
+LLAMACPP_OUTTYPE = {"auto": "f32", "fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # --dtype -> GGUF weights
+LLAMACPP_QUANT = {"int8": "q8_0", "int4": "q4_0"}  # --quantize -> GGUF type (w8a8: torch only)
+
+
+def choose_runtime(target, requested: str, *, device: str, quantize: str | None) -> tuple[str, str]:
+    """(runtime, why). auto: llama.cpp for a .gguf target on CPU when its library is built (on SmolLM2 its
+    plain step is 3-7x faster than ours, BENCHMARKS.md "Target runtimes"), PyTorch otherwise."""
+    from .models.gguf import is_gguf, source_gguf
+    from .models.llamacpp.library import missing_reason
+
+    target = source_gguf(target) or target  # a GGUF's converted folder: that GGUF
+    if requested not in RUNTIMES:
+        raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {requested!r}")
+    if requested == "torch":
+        return "torch", "PyTorch (--runtime torch)"
+    why_not = missing_reason()
+    if requested == "llamacpp":
+        if device != "cpu":
+            raise ValueError("--runtime llamacpp runs on the CPU; use --device cpu or --runtime torch")
+        if quantize == "w8a8":
+            raise ValueError("--quantize w8a8 is a PyTorch scheme; with --runtime llamacpp use int8 (Q8_0) or "
+                             "int4 (Q4_0), or a quantized .gguf")  # fmt: skip
+        if why_not:
+            raise ValueError(f"--runtime llamacpp: {why_not}")
+        return "llamacpp", "llama.cpp (--runtime llamacpp)"
+    if device != "cpu" or not is_gguf(target) or quantize or why_not:
+        reason = (why_not if why_not and device == "cpu" and is_gguf(target) and not quantize else
+                  "the target is not a .gguf file on the CPU without --quantize")  # fmt: skip
+        return "torch", f"PyTorch ({reason})"
+    return "llamacpp", "llama.cpp (auto: a .gguf target on the CPU, its library built)"
+
+
+def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = None, speculate: bool = True):
+    """(target, label, why) for the llama.cpp runtime: a .gguf file runs as it is; a folder is converted
+    with llama.cpp's converter at --dtype (--quantize int8/int4: Q8_0/Q4_0). Speculation needs its
+    exactness probe to pass (models/llamacpp/target.load_exact); else ValueError, or plain decoding
+    when speculate is False."""
+    from .export.llamacpp_convert import convert_target, quantize_gguf
+    from .models.gguf import is_gguf, source_gguf
+    from .models.llamacpp.library import llamacpp_root
+    from .models.llamacpp.target import load_exact
+
+    target = source_gguf(target) or target  # a GGUF's converted folder: that GGUF
+    folder = Path(as_model_folder(target))
+    if is_gguf(target):
+        if quantize:
+            raise ValueError(f"--quantize {quantize} with a .gguf target: the file's own quantization runs as "
+                             "it is; give a folder to quantize, or another .gguf")  # fmt: skip
+        gguf = Path(target)
+    else:
+        root = llamacpp_root()
+        gguf = convert_target(root, folder, "q8_0" if quantize == "int8" else LLAMACPP_OUTTYPE[dtype])
+        if quantize == "int4":
+            gguf = quantize_gguf(root, gguf, "q4_0")
+    tgt, not_exact = load_exact(gguf, folder)
+    if not_exact and speculate:
+        raise ValueError(f"{not_exact}: speculation would not be lossless; use --runtime torch or --mode off")
+    why = "its verification rows have the same bits as one-token steps (probe)" if not not_exact else not_exact
+    return tgt, tgt.describe(), why
+
+
 def load_drafter_for(target, draft, *, device: str = "cpu", dtype: str = "fp32", window: int | None = None):
     """A drafter directory loaded for a loaded target (checked against it, on `device` in `dtype`), with
     its attention window set: `window` None keeps its config's draft_attention_window, 0 removes it."""
@@ -77,6 +139,7 @@ def load_engine(
     expected_tokens: int | None = None,
     quantize: str | None = None,
     quantize_group: int | None = None,
+    runtime: str = "auto",
     **spec_fields,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
@@ -87,7 +150,8 @@ def load_engine(
     (models/compiled.py; `expected_tokens` is the job's size, None for a server); the choice and its
     reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only (or "w8a8") quantization of
     the target's decoder layers (models/quantize.py; speculation is lossless against the quantized
-    target), int4 in groups of `quantize_group` input channels. spec_fields: how to speculate, the
+    target), int4 in groups of `quantize_group` input channels. runtime: "auto", "torch" or "llamacpp"
+    (choose_runtime; the choice and its reason are in `engine.runtime`). spec_fields: how to speculate, the
     fields of speculation/config.SpecConfig (mode, tree, chain_k, adaptive, confidence, ngram_tokens,
     draft_prefill_window), with its defaults."""
     import torch
@@ -95,14 +159,22 @@ def load_engine(
     spec = SpecConfig(**spec_fields)  # bad settings fail before anything loads
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    runtime, runtime_why = choose_runtime(target, runtime, device=device, quantize=quantize)
+    speculates = draft is not None and spec.speculates
+    if runtime == "llamacpp":
+        tgt, dtype, why = load_llamacpp_target(target, dtype=dtype, quantize=quantize, speculate=speculates)
+        compile, draft_dtype = "off", "fp32"
     target = as_model_folder(target)  # a .gguf file: its converted folder (models/gguf.py)
-    tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,
-                                                  quantize_group=quantize_group)  # fmt: skip
+    if runtime == "torch":
+        tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,
+                                                      quantize_group=quantize_group)  # fmt: skip
+        draft_dtype = dtype
     drafter = None
-    if draft is not None and spec.speculates:
-        drafter = load_drafter_for(tgt, draft, device=device, dtype=dtype, window=draft_window)
+    if speculates:
+        drafter = load_drafter_for(tgt, draft, device=device, dtype=draft_dtype, window=draft_window)
     engine = Engine(tgt, drafter, spec, tokenizer=load_tokenizer(target))
     engine.precision = (dtype, why)
+    engine.runtime = (runtime, runtime_why)
     engine.compiled = choose_compile(engine, compile, expected_tokens)
     return engine
 

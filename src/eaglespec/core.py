@@ -204,7 +204,7 @@ class EngineCore:
         slots = torch.tensor([r.slot for r in group], device=self.device)
         use_drafter = self.drafter is not None
         meta = self.tcache.prepare(slots, causal_mask(cnt_t.to(self.device), t))
-        h, aux = self.target(ids[:, :t], meta.write_pos, self.tcache, meta, capture_aux=use_drafter)
+        h, aux = self.target(ids[:, :t], meta.write_pos, self.tcache, meta, capture_aux=use_drafter, last_only=True)
         self.tcache.commit(slots, cnt_t)
         if use_drafter:
             self._deferred_extend = self._drafter_prompt_pairs(group, slots, ids, aux, t)

@@ -118,6 +118,7 @@ class EngineSettings:
     quantize: str = "none"
     quantize_group: int | None = None  # None: models/quantize.py's default group
     threads: int | None = None  # torch threads; None: torch's choice (one per core)
+    runtime: str = "auto"  # api.choose_runtime: llama.cpp for a .gguf target when built, else PyTorch
 
     def tree(self) -> TreeShape:
         """The fixed tree's shape, or auto's maximum depth (with the tree flags' width and nodes)."""
@@ -135,6 +136,7 @@ class EngineSettings:
         spec = self.spec_config()
         return {"device": self.device, "dtype": self.dtype, "compile": self.compile,
                 "quantize": None if self.quantize == "none" else self.quantize, "quantize_group": self.quantize_group,
+                "runtime": self.runtime,
                 "draft_window": self.draft_window, "mode": spec.mode, "tree": spec.tree, "chain_k": spec.chain_k,
                 "adaptive": spec.adaptive, "confidence": spec.confidence,
                 "draft_prefill_window": spec.draft_prefill_window}  # fmt: skip
@@ -215,6 +217,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_drafts: bool = False,
     r.add_argument("--compile", choices=["auto", "on", "off"], help=COMPILE_HELP)
     add_quantize_args(r, quantize_effect, default=None)  # None: not given (EngineSettings says none)
     r.add_argument("--threads", type=int, help="torch threads (default: torch's choice, one per core)")
+    r.add_argument("--runtime", choices=["auto", "torch", "llamacpp"],
+                   help=_help("what runs the target: llamacpp (llama.cpp's kernels through its C API, built by "
+                              "scripts/llamacpp/build.sh; any GGUF quantization; exactness probed at load), torch, "
+                              "or auto: llama.cpp for a .gguf target when built", "runtime"))  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[EngineSettings, set[str]]:

@@ -162,7 +162,7 @@ def _start(system: str, args, target: Path, out: Path, max_conc: int) -> ChildSe
     if reason:
         print(f"[bench-serving] skipping {system}: {reason}", file=sys.stderr)
         return None
-    from .peers.llamacpp_convert import convert_drafter, convert_target
+    from ..export.llamacpp_convert import convert_drafter, convert_target
 
     root = llamacpp_root()
     kv = OUTTYPE.get(args.dtype if args.dtype != "auto" else "fp32", "f32")

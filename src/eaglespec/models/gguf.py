@@ -85,6 +85,7 @@ def gguf_folder(path, *, log=None) -> Path:
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist")
     folder = cache_dir() / "gguf" / f"{path.stem}-{content_hash(path)}"
     if (folder / "config.json").is_file():  # converted before: neither read nor checked again
+        _remember_source(folder, path)
         return folder
     arch = check_gguf(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -98,12 +99,37 @@ def gguf_folder(path, *, log=None) -> Path:
     try:
         _convert(path, partial)
         os.replace(partial, folder)
+        _remember_source(folder, path)
     except OSError:
         if not (folder / "config.json").is_file():  # not a concurrent conversion that finished first
             raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+SOURCE_FILE = "source_gguf.txt"  # in a converted folder: the path of the GGUF it was last reached from
+
+
+def _remember_source(folder: Path, path: Path) -> None:
+    where = str(path.resolve())
+    record = folder / SOURCE_FILE
+    if not record.is_file() or record.read_text() != where:
+        tmp = record.with_name(f"{SOURCE_FILE}.{os.getpid()}")
+        tmp.write_text(where)
+        os.replace(tmp, record)
+
+
+def source_gguf(folder) -> Path | None:
+    """The GGUF file a converted folder came from, if it is still there with the same contents (a runtime
+    that reads GGUF itself, models/llamacpp/, runs that file); None for any other folder."""
+    record = Path(folder) / SOURCE_FILE
+    if not record.is_file():
+        return None
+    path = Path(record.read_text())
+    if not path.is_file() or cache_dir() / "gguf" / f"{path.stem}-{content_hash(path)}" != Path(folder):
+        return None
+    return path
 
 
 def as_model_folder(path, *, log=None):

@@ -73,6 +73,14 @@ class TargetConfig:
             hidden_act=getattr(hf, "hidden_act", "silu"),
         )
 
+    def aux_layers(self, given: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The given aux layer ids, checked against the layer count, or the default ones when None."""
+        layers = tuple(given) if given else self.default_aux_layers()
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} out of range for a {self.num_layers}-layer target")
+        return layers
+
     def default_aux_layers(self) -> tuple[int, ...]:
         """EAGLE-3 default: residual stream at the inputs of layers 2, L//2 and L-3."""
         n = self.num_layers
@@ -131,11 +139,7 @@ class LlamaTarget(nn.Module):
         self.set_aux_layers(aux_layers)
 
     def set_aux_layers(self, aux_layers: tuple[int, ...] | None) -> None:
-        layers = tuple(aux_layers) if aux_layers else self.cfg.default_aux_layers()
-        bad = [i for i in layers if not 0 <= i < self.cfg.num_layers]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} out of range for a {self.cfg.num_layers}-layer target")
-        self.aux_layers = layers
+        self.aux_layers = self.cfg.aux_layers(aux_layers)
 
     def new_cache(self, num_slots: int, *, max_length: int | None = None, initial_capacity: int = 256):
         p = next(self.parameters())
@@ -154,7 +158,11 @@ class LlamaTarget(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def forward(self, ids, positions, cache: KVCache, meta: StepMeta, *, capture_aux: bool = True):
+    def forward(self, ids, positions, cache: KVCache, meta: StepMeta, *, capture_aux: bool = True,
+                last_only: bool = False):
+        """last_only: the caller reads logits of each row's last real token only (a prefill chunk); a
+        runtime that computes logits in its forward (models/llamacpp/) uses it, this one returns hidden
+        states for every token either way."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}

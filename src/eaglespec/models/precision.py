@@ -128,3 +128,30 @@ def tree_plain_gap(target, *, prompt_len: int = 40, tree_len: int = 17, seed: in
         h, _ = target(ids[:, prompt_len : prompt_len + t], meta.write_pos, cache, meta, capture_aux=False)
         logits.append(target.logits(h[:, :1]).float())  # the first new token; nothing is committed
     return float((logits[0] - logits[1]).abs().max())
+
+
+@torch.inference_mode()
+def row_gap(target, *, prompt_len: int = 40, rows: int = 17, seed: int = 0) -> float:
+    """Max |logit difference| over `rows` tokens between one verification-shaped forward of all of them
+    and the same tokens decoded one per forward: 0.0 means a row's logits do not depend on how many rows
+    its forward holds (exact speculation by construction, at this precision and these kernels)."""
+    from ..kv_cache import causal_mask
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.cfg.vocab_size, (1, prompt_len + rows), generator=g)
+    ids = ids.to(next(target.parameters()).device)
+    cache = target.new_cache(1, max_length=prompt_len + rows + 1)
+
+    def forward(start: int, t: int, last_only: bool = False) -> torch.Tensor:
+        meta = cache.prepare(None, causal_mask(torch.tensor([t]), t))
+        h, _ = target(ids[:, start : start + t], meta.write_pos, cache, meta, capture_aux=False, last_only=last_only)
+        return target.logits(h[:, -1:] if last_only else h)[0].float()
+
+    forward(0, prompt_len, last_only=True)
+    cache.commit(None, torch.tensor([prompt_len]))
+    together = forward(prompt_len, rows)  # not committed: the next prepare discards it
+    apart = []
+    for i in range(rows):
+        apart.append(forward(prompt_len + i, 1)[0])
+        cache.commit(None, torch.tensor([1]))
+    return float((together - torch.stack(apart)).abs().max())

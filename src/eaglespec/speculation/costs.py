@@ -134,6 +134,7 @@ def cache_key(target, drafter, batch: int) -> str:
         "kernels": [kernel_signature(m) for m in (target, drafter) if m is not None],
         "batch": batch,
         "quantization": getattr(target, "quantization", None),  # int8 and w8a8 hold the same tensors
+        "runtime": target.describe() if hasattr(target, "describe") else "torch",  # llama.cpp: file, KV, rows
         "target": _model_signature(target),
         "drafter": _model_signature(drafter) if drafter is not None else None,
     }

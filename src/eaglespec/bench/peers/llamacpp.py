@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ...models.llamacpp.library import llamacpp_root
 from ...stats import SpecStats
 from ..method import Method, MethodRun
 
@@ -44,11 +44,6 @@ STARTUP_TIMEOUT_S = 300
 CONVERTER_MODULES = ("sentencepiece", "yaml")  # convert_hf_to_gguf.py and its gguf-py import them; not our deps
 PIP_NAME = {"yaml": "pyyaml"}
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
-
-
-def llamacpp_root() -> Path:
-    env = os.environ.get("EAGLESPEC_LLAMACPP")
-    return Path(env) if env else Path.home() / ".cache" / "eaglespec" / "llama.cpp"
 
 
 def not_built_reason(root: Path | None = None) -> str | None:
@@ -237,7 +232,7 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     quantize: our target's --quantize; int8 and w8a8 run llama.cpp on q8_0 weights (its nearest format:
     its CPU dot products also round activations to 8 bits, per block of 32), int4 on q4_0 (blocks of 32
     4-bit weights with one scale, written by llama-quantize)."""
-    from .llamacpp_convert import (
+    from ...export.llamacpp_convert import (
         UnsupportedDrafter,
         check_drafter_supported,
         convert_drafter,

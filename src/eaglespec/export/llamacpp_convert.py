@@ -1,6 +1,6 @@
 """HF checkpoints -> GGUF for the llama.cpp peer, with llama.cpp's own convert_hf_to_gguf.py (never copied here).
 
-The converter runs in a child python (`python -m eaglespec.bench.peers.llamacpp_convert SRC -- ARGS`) so its
+The converter runs in a child python (`python -m eaglespec.export.llamacpp_convert SRC -- ARGS`) so its
 `conversion` / `gguf` modules and logging stay out of the bench process. Two adaptations, both on our side:
 - our tokenizer is a plain GPT-2 byte-level BPE whose checksum the converter does not know; when tokenizer.json
   says exactly that (ByteLevel pre-tokenizer with the GPT-2 regex, no normalizer), an unrecognised checksum is
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...export.gguf import UnsupportedForGGUF, check_drafter, is_gpt2_byte_level
+from .gguf import UnsupportedForGGUF, check_drafter, is_gpt2_byte_level
 
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 UnsupportedDrafter = UnsupportedForGGUF
@@ -28,7 +28,7 @@ UnsupportedDrafter = UnsupportedForGGUF
 
 def check_drafter_supported(drafter_dir) -> None:
     """Raise UnsupportedDrafter for an EAGLE-3.1 drafter (or any config llama.cpp cannot represent)."""
-    from ...models.drafter_config import DrafterConfig
+    from ..models.drafter_config import DrafterConfig
 
     cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
     try:
@@ -138,5 +138,5 @@ def converter_main(src: str, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[2] != "--":
-        sys.exit("usage: python -m eaglespec.bench.peers.llamacpp_convert LLAMACPP_SRC -- CONVERTER_ARGS...")
+        sys.exit("usage: python -m eaglespec.export.llamacpp_convert LLAMACPP_SRC -- CONVERTER_ARGS...")
     converter_main(sys.argv[1], sys.argv[3:])
