@@ -75,8 +75,10 @@ def test_plain_decoding_equals_llama_server(smollm2):
     binary = library.llamacpp_root() / "build" / "bin" / SERVER
     if not binary.is_file():
         pytest.skip(f"{binary} is not built")
-    server = Server(binary, server_args(gguf, torch.get_num_threads(), plain.target.kv_type),
-                    library.llamacpp_root() / "logs" / "test-runtime.log")  # fmt: skip
+    k_type, _, v_type = plain.target.kv_type.partition("/")  # the same K/V types as ours
+    args = server_args(gguf, torch.get_num_threads(), k_type)
+    args[args.index("-ctv") + 1] = v_type or k_type
+    server = Server(binary, args, library.llamacpp_root() / "logs" / "test-runtime.log")
     try:
         for ids, ours in zip(prompts, want):
             theirs = cut_at_stop(server.complete(ids, 40)["tokens"], [plain.tokenizer.eos_token_id])

@@ -63,9 +63,14 @@ LLAMACPP_OUTTYPE = {"auto": "f32", "fp32": "f32", "bf16": "bf16", "fp16": "f16"}
 LLAMACPP_QUANT = {"int8": "q8_0", "int4": "q4_0"}  # --quantize -> GGUF type (w8a8: torch only)
 
 
-def choose_runtime(target, requested: str, *, device: str, quantize: str | None) -> tuple[str, str]:
+AUTO_LLAMACPP_MAX_ROWS = 16  # rows whose default trees (up to ~15 extra leaves each) fit llama.cpp's 254 sequence ids
+
+
+def choose_runtime(target, requested: str, *, device: str, quantize: str | None,
+                   max_num_seqs: int = 1) -> tuple[str, str]:  # fmt: skip
     """(runtime, why). auto: llama.cpp for a .gguf target on CPU when its library is built (on SmolLM2 its
-    plain step is 3-7x faster than ours, BENCHMARKS.md "Target runtimes"), PyTorch otherwise."""
+    plain step is 1.7-3x faster than ours, BENCHMARKS.md "Target runtimes") and at most
+    AUTO_LLAMACPP_MAX_ROWS rows decode at once; PyTorch otherwise."""
     from .models.gguf import is_gguf, source_gguf
     from .models.llamacpp.library import missing_reason
 
@@ -84,10 +89,13 @@ def choose_runtime(target, requested: str, *, device: str, quantize: str | None)
         if why_not:
             raise ValueError(f"--runtime llamacpp: {why_not}")
         return "llamacpp", "llama.cpp (--runtime llamacpp)"
-    if device != "cpu" or not is_gguf(target) or quantize or why_not:
-        reason = (why_not if why_not and device == "cpu" and is_gguf(target) and not quantize else
-                  "the target is not a .gguf file on the CPU without --quantize")  # fmt: skip
-        return "torch", f"PyTorch ({reason})"
+    if device != "cpu" or not is_gguf(target) or quantize:
+        return "torch", "PyTorch (auto: the target is not a .gguf file on the CPU without --quantize)"
+    if why_not:
+        return "torch", f"PyTorch (auto: {why_not})"
+    if max_num_seqs > AUTO_LLAMACPP_MAX_ROWS:
+        return "torch", (f"PyTorch (auto: {max_num_seqs} rows at once; llama.cpp's sequence ids hold the trees of "
+                         f"{AUTO_LLAMACPP_MAX_ROWS}; --runtime llamacpp to use it anyway)")  # fmt: skip
     return "llamacpp", "llama.cpp (auto: a .gguf target on the CPU, its library built)"
 
 
@@ -140,6 +148,7 @@ def load_engine(
     quantize: str | None = None,
     quantize_group: int | None = None,
     runtime: str = "auto",
+    max_num_seqs: int = 1,
     **spec_fields,
 ) -> Engine:
     """Load a target (and drafter) directory into an Engine, validating that they fit.
@@ -151,7 +160,8 @@ def load_engine(
     reason are in `engine.compiled`. quantize: "int8" or "int4" weight-only (or "w8a8") quantization of
     the target's decoder layers (models/quantize.py; speculation is lossless against the quantized
     target), int4 in groups of `quantize_group` input channels. runtime: "auto", "torch" or "llamacpp"
-    (choose_runtime; the choice and its reason are in `engine.runtime`). spec_fields: how to speculate, the
+    (choose_runtime, for up to `max_num_seqs` rows at once; the choice and its reason are in `engine.runtime`).
+    spec_fields: how to speculate, the
     fields of speculation/config.SpecConfig (mode, tree, chain_k, adaptive, confidence, ngram_tokens,
     draft_prefill_window), with its defaults."""
     import torch
@@ -159,7 +169,7 @@ def load_engine(
     spec = SpecConfig(**spec_fields)  # bad settings fail before anything loads
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
-    runtime, runtime_why = choose_runtime(target, runtime, device=device, quantize=quantize)
+    runtime, runtime_why = choose_runtime(target, runtime, device=device, quantize=quantize, max_num_seqs=max_num_seqs)
     speculates = draft is not None and spec.speculates
     if runtime == "llamacpp":
         tgt, dtype, why = load_llamacpp_target(target, dtype=dtype, quantize=quantize, speculate=speculates)

@@ -136,8 +136,13 @@ def cmd_bench(args) -> int:
         print("[bench] no drafter: measuring plain decoding and the peers only", file=sys.stderr)
     tree = TreeShape(settings.tree_depth or TreeShape.depth, settings.tree_topk, settings.tree_tokens)
     categories = parse_categories(args.categories or ("chat,code" if sweep in ("batch", "tree") else None))
+    rows = args.batch_size
+    if sweep == "batch":
+        from . import sweeps
+
+        rows = max(sweeps.parse_values(args.sweep_values, sweeps.BATCH_SIZES, "batch"))
     models = load_models(target, drafts, settings.dtype, settings.quantize, settings.quantize_group,
-                         settings.draft_window)  # fmt: skip
+                         settings.draft_window, runtime=settings.runtime, max_num_seqs=rows)  # fmt: skip
     models.draft_prefill_window = settings.draft_prefill_window
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
     _, why = compile_models(models, settings.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))

@@ -4,10 +4,19 @@ same loaded target (Models), and the sweeps' and --auto's settings of a method.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api import choose_compile, load_drafter_for, load_target_for_speculation, load_tokenizer, stop_ids_for
+from ..api import (
+    choose_compile,
+    choose_runtime,
+    load_drafter_for,
+    load_llamacpp_target,
+    load_target_for_speculation,
+    load_tokenizer,
+    stop_ids_for,
+)
 from ..engine import Engine, Request
 from ..speculation.config import TreeShape
 from .method import Method, MethodRun, tensor_bytes, weight_bytes_per_forward
@@ -70,11 +79,21 @@ class Models:
 
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
-                quantize_group: int | None = None, draft_window: int | None = None) -> Models:  # fmt: skip
-    """The target as `generate` loads it (api.load_target_for_speculation: dtype "auto" keeps a precision
-    only where verification matches plain steps) and each drafter for it (api.load_drafter_for)."""
-    target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
-                                                      quantize_group=quantize_group)  # fmt: skip
+                quantize_group: int | None = None, draft_window: int | None = None,
+                runtime: str = "torch", max_num_seqs: int = 1) -> Models:  # fmt: skip
+    """The target as `generate` loads it (api.choose_runtime; PyTorch: api.load_target_for_speculation, dtype
+    "auto" keeps a precision only where verification matches plain steps; llama.cpp: api.load_llamacpp_target,
+    its exactness probed) and each drafter for it (api.load_drafter_for)."""
+    quantize = None if quantize == "none" else quantize
+    runtime, _ = choose_runtime(target_dir, runtime, device="cpu", quantize=quantize,
+                                max_num_seqs=max_num_seqs)  # fmt: skip
+    if runtime == "llamacpp":
+        target, label, _ = load_llamacpp_target(target_dir, dtype=dtype, quantize=quantize, speculate=bool(drafts))
+        print(f"[bench] target runtime: {label}", file=sys.stderr)
+        dtype = "fp32"  # the drafters' precision, and the F32 GGUF the llama.cpp peer converts for comparison
+    else:
+        target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
+                                                          quantize_group=quantize_group)  # fmt: skip
     drafters = [(label, Path(d), load_drafter_for(target, d, dtype=dtype, window=draft_window))
                 for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,

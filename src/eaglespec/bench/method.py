@@ -44,6 +44,8 @@ def weight_bytes_per_forward(model) -> int:
     (a forward gathers only a few of its rows). Same for our LlamaTarget and HF Llama-family models."""
     from ..models.quantized_linear import QuantizedLinear
 
+    if getattr(model, "runtime", None) == "llamacpp":  # its GGUF's tensors (tied: the embedding is the lm_head)
+        return model.path.stat().st_size
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embed
     quantized = sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))  # buffers

@@ -44,7 +44,8 @@ def build_server(args):
 
         torch.set_num_threads(settings.threads)
     target, drafts = resolve_models(settings.target, settings.draft or ())
-    engine = load_engine(target, drafts[0] if drafts else None, **settings.load_kwargs())
+    engine = load_engine(target, drafts[0] if drafts else None, max_num_seqs=args.max_num_seqs,
+                         **settings.load_kwargs())  # fmt: skip
     print(f"[eaglespec] forwards: {engine.compiled[1]}", file=sys.stderr)
     if getattr(engine.target, "quantization", None) is not None:
         from ..models.quantize import scheme_name

@@ -1,13 +1,14 @@
 """The llama.cpp target's KV cache: one llama.cpp context, with the surface of kv_cache.KVCache.
 
-Each slot owns a pool of llama.cpp sequence ids; one of them (`current`) holds the slot's committed
-tokens. A step's new tokens form a tree (a prefill chunk or a plain step is a one-leaf tree): every
-leaf gets a sequence id of the slot's pool (the first leaf keeps `current`, the others start as copies
-of it, which in llama.cpp's unified cache shares the cells), and every token carries the ids of the
-leaves below it. llama.cpp lets a token attend to the cells of its first sequence id at positions up to
-its own, which is then exactly the committed tokens and its ancestors: the tree mask without a mask.
-After verification the leaf below the last accepted node becomes `current` and the other leaves'
-sequences are removed; positions are committed length + depth, so nothing moves.
+Each slot's committed tokens are one llama.cpp sequence (`current`). A step's new tokens form a tree (a
+prefill chunk or a plain step is a one-leaf tree): every leaf gets a sequence id (the first leaf the
+slot's own, the others borrowed from the spare ids and started as copies of it, which in llama.cpp's
+unified cache shares the cells), and every token carries the ids of the leaves below it. llama.cpp lets
+a token attend to the cells of its first sequence id at positions up to its own: exactly the committed
+tokens and its ancestors, the tree mask without a mask. After verification the leaf below the last
+accepted node becomes the slot's sequence and the other ids go back; positions are committed length +
+depth, so nothing moves. 254 sequence ids in all: at most that many slots, and the extra leaves of one
+step's trees share what the slots leave.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 from ...kv_cache import ContextLengthError
 from . import library
 
-MAX_SEQUENCES = 255  # llama.cpp's LLAMA_MAX_SEQ (256), less the companion row's sequence
+SEQUENCES = 254  # llama.cpp's LLAMA_MAX_SEQ (256), less the companion row's and the garbage sequences
+MAX_LEAVES = 64  # sequence ids one token may carry (the leaves of a tree)
+MAX_CELLS = 65536  # live positions over all slots (~1.2 GB of q8_0/f16 K/V on SmolLM2); more: a clear error
 
 
 @dataclass
@@ -74,9 +77,10 @@ class LlamaCppCache:
     threads; kv_type: "f32", "f16" or "q8_0" K/V; max_outputs: logits rows one forward may return).
 
     What keeps a token's logits the same bits in a one-token step and in a verification of any size:
-    - the KV cache in q8_0 by default: llama.cpp's CPU flash attention then always takes its per-row path
-      (with f16/f32 K/V it splits the cells of a one-row step across threads past 512 cells, and tiles
-      the rows of a 64-row forward, each summing in another order);
+    - K in q8_0 (V in f16) by default: llama.cpp's CPU flash attention then always takes its per-row path
+      (with f16/f32 K it splits the cells of a one-row step across threads past 512 cells, and tiles the
+      rows of a 64-row forward, each summing in another order: logits 0.79 apart at 600 cells, measured);
+      V stays f16, whose rows it adds without dequantizing (q8_0 V cost 34 % more per step at 800 cells);
     - attention visits a row's cells in cell order, so every sequence's cells stay in position order:
       the rejected nodes of a tree keep their cells under a garbage sequence id instead of leaving holes
       that llama.cpp would later fill with newer tokens; when the context is full it is rebuilt by
@@ -92,28 +96,30 @@ class LlamaCppCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long)
         self.in_use = [False] * num_slots
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # committed ids: what a rebuild prefills
-        self.seqs_per_slot = max(1, min(64, MAX_SEQUENCES // num_slots))
-        self.pools = [list(range(s * self.seqs_per_slot, (s + 1) * self.seqs_per_slot)) for s in range(num_slots)]
-        self.current = [pool[0] for pool in self.pools]
-        self.scratch_seq = num_slots * self.seqs_per_slot  # the companion row's own sequence (see decode)
-        self.garbage_seq = self.scratch_seq + 1  # cells of rejected tree nodes, never visible
+        if num_slots > SEQUENCES:
+            raise ValueError(f"the llama.cpp runtime holds at most {SEQUENCES} sequences; got {num_slots} slots")
+        self.current = list(range(num_slots))  # the sequence id holding each slot's committed tokens
+        self.spare = list(range(SEQUENCES - 1, num_slots - 1, -1))  # ids the extra leaves of a step borrow
+        self.scratch_seq = SEQUENCES  # the companion row's own sequence (see decode)
+        self.garbage_seq = SEQUENCES + 1  # cells of rejected tree nodes, never visible
         self.max_batch_tokens, self.max_outputs = max_batch_tokens, max_outputs
         self.rebuilds = 0
         p = lib.llama_context_default_params()
-        p.n_ctx = num_slots * max_length + 8192  # room for rejected nodes before a rebuild
+        p.n_ctx = min(num_slots * max_length, MAX_CELLS) + 8192  # + room for rejected nodes before a rebuild
         p.n_batch, p.n_ubatch = max_batch_tokens + 1, min(max_batch_tokens + 1, 512)
         p.n_seq_max = self.garbage_seq + 1
         p.n_outputs_max = max(max_outputs + 1, self.garbage_seq + 1)  # llama.cpp reserves one per sequence
         p.n_threads = p.n_threads_batch = threads
         p.flash_attn_type = library.FLASH_ATTN_ENABLED
-        p.type_k = p.type_v = library.GGML_TYPE[kv_type]
+        k_type, _, v_type = kv_type.partition("/")  # "q8_0/f16": K in q8_0, V in f16
+        p.type_k, p.type_v = library.GGML_TYPE[k_type], library.GGML_TYPE[v_type or k_type]
         p.kv_unified = True  # tree branches share their cells
         p.no_perf = True
         self.ctx = lib.llama_init_from_model(model_ptr, p)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {p.n_ctx} cells for {num_slots} slots")
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = _BatchArrays(max_batch_tokens + 1, self.seqs_per_slot)
+        self.batch = _BatchArrays(max_batch_tokens + 1, MAX_LEAVES)
         self.pending: LlamaCppStep | None = None  # written, not yet committed
         self.aux_enabled: tuple[int, ...] = ()
 
@@ -152,8 +158,7 @@ class LlamaCppCache:
         self.add_slots(1)
 
     def free(self, slot: int) -> None:
-        for seq in self.pools[slot]:
-            self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        self.lib.llama_memory_seq_rm(self.memory, self.current[slot], -1, -1)
         self.in_use[slot] = False
         self.lengths[slot] = 0
         self.tokens[slot] = []
@@ -162,7 +167,7 @@ class LlamaCppCache:
         """Exchange two slots: only the bookkeeping moves, the cells stay where they are."""
         self.lengths[[a, b]] = self.lengths[[b, a]]
         self.in_use[a], self.in_use[b] = self.in_use[b], self.in_use[a]
-        for table in (self.pools, self.current, self.tokens):
+        for table in (self.current, self.tokens):
             table[a], table[b] = table[b], table[a]
 
     def reset(self) -> None:
@@ -170,6 +175,8 @@ class LlamaCppCache:
         self.lengths.zero_()
         self.in_use = [False] * self.num_slots
         self.tokens = [[] for _ in range(self.num_slots)]
+        self.current = list(range(self.num_slots))
+        self.spare = list(range(SEQUENCES - 1, self.num_slots - 1, -1))
         self.pending = None
 
     # -- one step ------------------------------------------------------------------------------------
@@ -194,11 +201,14 @@ class LlamaCppCache:
         for b, s in enumerate(slots):
             own = [i for i in range(t) if valid[b, i]]
             leaf_ids = [i for i in own if leaf[b, i]]
-            if len(leaf_ids) > self.seqs_per_slot:
-                raise ValueError(f"a tree with {len(leaf_ids)} leaves needs more than the {self.seqs_per_slot} "
-                                 f"sequences per slot the llama.cpp runtime has at {self.num_slots} slots")
-            others = [q for q in self.pools[s] if q != self.current[s]]
-            seq_of = dict(zip(leaf_ids, [self.current[s]] + others))
+            extra = len(leaf_ids) - 1
+            if extra > len(self.spare) or len(leaf_ids) > MAX_LEAVES:
+                for done in leaves:  # give back what the earlier rows borrowed
+                    self.spare += list(done.values())[1:]
+                raise ValueError(f"this step's trees need more sequence ids than the llama.cpp runtime's {SEQUENCES} "
+                                 f"(row {b}: {len(leaf_ids)} leaves, {len(self.spare)} spare at {len(slots)} rows); "
+                                 "use chains, smaller trees or fewer rows")  # fmt: skip
+            seq_of = dict(zip(leaf_ids, [self.current[s]] + [self.spare.pop() for _ in range(extra)]))
             below = mask[b][leaf_ids]  # [leaves, T]: which tokens lie on each leaf's branch
             tokens.append(own)
             seqs.append([[seq_of[leaf_ids[k]] for k in torch.nonzero(below[:, i]).flatten().tolist()] for i in own])
@@ -293,6 +303,8 @@ class LlamaCppCache:
             shared = int((mask[leaf] & on_path).sum())  # the branch's first nodes lie on the path
             self.lib.llama_memory_seq_cp(self.memory, q, self.garbage_seq, base + shared, -1)
             self.lib.llama_memory_seq_rm(self.memory, q, *((base + len(path), -1) if q == kept else (-1, -1)))
+            if q != kept:
+                self.spare.append(q)
         self.current[s] = kept
         self.lengths[s] += len(path)
         if step.ids is not None:

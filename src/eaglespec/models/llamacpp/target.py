@@ -23,7 +23,7 @@ from ..llama import TargetConfig
 from . import library
 from .cache import LlamaCppCache
 
-KV_TYPES = ("f32", "f16", "q8_0")
+KV_TYPES = ("f32", "f16", "q8_0", "q8_0/f16")  # "K/V" when they differ
 MAX_TREE_TOKENS = 64  # logits rows per slot and forward the context is sized for
 
 
@@ -39,7 +39,7 @@ class LlamaCppTarget(nn.Module):
     runtime = "llamacpp"
     quantization = None
 
-    def __init__(self, path, folder, *, threads: int | None = None, kv_type: str = "q8_0",
+    def __init__(self, path, folder, *, threads: int | None = None, kv_type: str = "q8_0/f16",
                  aux_layers: tuple[int, ...] | None = None, repack: bool = True, min_rows: int = 1):  # fmt: skip
         super().__init__()
         from transformers import AutoConfig
@@ -137,7 +137,7 @@ class LlamaCppTarget(nn.Module):
 
 
 def load_exact(path, folder, *, threads: int | None = None,
-               kv_type: str = "q8_0") -> tuple[LlamaCppTarget, str | None]:  # fmt: skip
+               kv_type: str = "q8_0/f16") -> tuple[LlamaCppTarget, str | None]:  # fmt: skip
     """(target, None) when a token's logits have the same bits in one-token steps and in a 17-row
     verification (models/precision.row_gap == 0, after a short and a 600-token context), trying one-row
     steps first and two-row steps second (see cache.LlamaCppCache); (target, why not) when neither
