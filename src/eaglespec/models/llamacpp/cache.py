@@ -209,9 +209,13 @@ class LlamaCppCache:
                                  f"(row {b}: {len(leaf_ids)} leaves, {len(self.spare)} spare at {len(slots)} rows); "
                                  "use chains, smaller trees or fewer rows")  # fmt: skip
             seq_of = dict(zip(leaf_ids, [self.current[s]] + [self.spare.pop() for _ in range(extra)]))
-            below = mask[b][leaf_ids]  # [leaves, T]: which tokens lie on each leaf's branch
             tokens.append(own)
-            seqs.append([[seq_of[leaf_ids[k]] for k in torch.nonzero(below[:, i]).flatten().tolist()] for i in own])
+            if extra == 0:  # a chain (prefill, plain step): every token in the row's own sequence
+                seqs.append([[self.current[s]]] * len(own))
+            else:
+                below = mask[b][leaf_ids].numpy()  # [leaves, T]: which tokens lie on each leaf's branch
+                ids = np.array([seq_of[leaf] for leaf in leaf_ids])
+                seqs.append([ids[below[:, i]].tolist() for i in own])
             leaves.append(seq_of)
         self.pending = LlamaCppStep(slots, base, tokens, seqs, leaves, mask, t)  # undone by the next prepare
         self._branch_out(self.pending)
@@ -236,9 +240,12 @@ class LlamaCppCache:
                 m = len(own)
                 arr.token[at : at + m] = ids_host[b, own]
                 arr.pos[at : at + m] = pos_host[b, own]
-                for i, carried in enumerate(seqs):
-                    arr.n_seq[at + i] = len(carried)
-                    arr.seq[at + i, : len(carried)] = carried
+                if len(step.leaves[b]) == 1:  # one sequence for the whole row
+                    arr.n_seq[at : at + m], arr.seq[at : at + m, 0] = 1, seqs[0][0]
+                else:
+                    for i, carried in enumerate(seqs):
+                        arr.n_seq[at + i] = len(carried)
+                        arr.seq[at + i, : len(carried)] = carried
                 if last_only:
                     arr.logits[at + m - 1] = 1
                 at += m
