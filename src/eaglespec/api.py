@@ -99,6 +99,10 @@ def choose_runtime(target, requested: str, *, device: str, quantize: str | None,
     return "llamacpp", "llama.cpp (auto: a .gguf target on the CPU, its library built)"
 
 
+class NotExactError(ValueError):
+    """A runtime whose verification rows do not have the bits of one-token steps on this machine."""
+
+
 def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = None, speculate: bool = True):
     """(target, label, why) for the llama.cpp runtime: a .gguf file runs as it is; a folder is converted
     with llama.cpp's converter at --dtype (--quantize int8/int4: Q8_0/Q4_0). Speculation needs its
@@ -123,7 +127,7 @@ def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = 
             gguf = quantize_gguf(root, gguf, "q4_0")
     tgt, not_exact = load_exact(gguf, folder)
     if not_exact and speculate:
-        raise ValueError(f"{not_exact}: speculation would not be lossless; use --runtime torch or --mode off")
+        raise NotExactError(f"{not_exact}: speculation would not be lossless; use --runtime torch or --mode off")
     why = "its verification rows have the same bits as one-token steps (probe)" if not not_exact else not_exact
     return tgt, tgt.describe(), why
 
@@ -147,7 +151,7 @@ def load_engine(
     expected_tokens: int | None = None,
     quantize: str | None = None,
     quantize_group: int | None = None,
-    runtime: str = "auto",
+    runtime: str = "torch",
     max_num_seqs: int = 1,
     **spec_fields,
 ) -> Engine:
@@ -172,8 +176,13 @@ def load_engine(
     runtime, runtime_why = choose_runtime(target, runtime, device=device, quantize=quantize, max_num_seqs=max_num_seqs)
     speculates = draft is not None and spec.speculates
     if runtime == "llamacpp":
-        tgt, dtype, why = load_llamacpp_target(target, dtype=dtype, quantize=quantize, speculate=speculates)
-        compile, draft_dtype = "off", "fp32"
+        try:
+            tgt, dtype, why = load_llamacpp_target(target, dtype=dtype, quantize=quantize, speculate=speculates)
+            compile, draft_dtype = "off", "fp32"
+        except NotExactError as e:
+            if not runtime_why.startswith("llama.cpp (auto"):
+                raise
+            runtime, runtime_why = "torch", f"PyTorch (auto: {e})"
     target = as_model_folder(target)  # a .gguf file: its converted folder (models/gguf.py)
     if runtime == "torch":
         tgt, dtype, why = load_target_for_speculation(target, device=device, dtype=dtype, quantize=quantize,

@@ -118,7 +118,7 @@ class EngineSettings:
     quantize: str = "none"
     quantize_group: int | None = None  # None: models/quantize.py's default group
     threads: int | None = None  # torch threads; None: torch's choice (one per core)
-    runtime: str = "auto"  # api.choose_runtime: llama.cpp for a .gguf target when built, else PyTorch
+    runtime: str = "torch"  # api.choose_runtime; "auto": llama.cpp for a .gguf target when built (opt-in)
 
     def tree(self) -> TreeShape:
         """The fixed tree's shape, or auto's maximum depth (with the tree flags' width and nodes)."""
@@ -220,7 +220,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_drafts: bool = False,
     r.add_argument("--runtime", choices=["auto", "torch", "llamacpp"],
                    help=_help("what runs the target: llamacpp (llama.cpp's kernels through its C API, built by "
                               "scripts/llamacpp/build.sh; any GGUF quantization; exactness probed at load), torch, "
-                              "or auto: llama.cpp for a .gguf target when built", "runtime"))  # fmt: skip
+                              "or auto: llama.cpp for a .gguf target when built and exact here",
+                              "runtime"))  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[EngineSettings, set[str]]:
