@@ -196,11 +196,12 @@ class LlamaCppCache:
         valid = mask[:, :, 0].clone()
         valid[:, 0] = True
         seen_by_other = (mask & valid[:, :, None] & ~torch.eye(t, dtype=torch.bool)).any(1)  # [B, T]
-        leaf = valid & ~seen_by_other
+        leaf = (valid & ~seen_by_other).numpy()
+        valid = valid.numpy()
         tokens, seqs, leaves = [], [], []
         for b, s in enumerate(slots):
-            own = [i for i in range(t) if valid[b, i]]
-            leaf_ids = [i for i in own if leaf[b, i]]
+            own = np.flatnonzero(valid[b]).tolist()
+            leaf_ids = np.flatnonzero(leaf[b]).tolist()
             extra = len(leaf_ids) - 1
             if extra > len(self.spare) or len(leaf_ids) > MAX_LEAVES:
                 for done in leaves:  # give back what the earlier rows borrowed
