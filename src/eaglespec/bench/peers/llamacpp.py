@@ -32,13 +32,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ...models.llamacpp.library import llamacpp_root
+from ...models.llamacpp.library import BUILD_HINT, llamacpp_root
 from ...stats import SpecStats
 from ..method import Method, MethodRun
 
 KINDS = ("llamacpp_plain", "llamacpp_eagle3")
 SERVER = "llama-server"
-BUILD_HINT = "run scripts/llamacpp/build.sh (builds llama.cpp once, ~10 min on 2 cores)"
 OUTTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # bench dtype -> GGUF weights and KV cache type
 STARTUP_TIMEOUT_S = 300
 CONVERTER_MODULES = ("sentencepiece", "yaml")  # convert_hf_to_gguf.py and its gguf-py import them; not our deps

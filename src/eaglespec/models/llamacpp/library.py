@@ -13,7 +13,7 @@ import os
 from functools import cache
 from pathlib import Path
 
-BUILD_HINT = "run scripts/llamacpp/build.sh (builds llama.cpp's shared libraries once, ~20 min on 2 cores)"
+BUILD_HINT = "run scripts/llamacpp/build.sh (builds llama.cpp once, ~20 min on 2 cores)"
 
 token_t = pos_t = seq_t = C.c_int32
 GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
