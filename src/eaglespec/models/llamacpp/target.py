@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...machine import cpu_flags
 from ..io import load_tensors
 from ..llama import TargetConfig
 from . import library
@@ -40,7 +41,8 @@ class LlamaCppTarget(nn.Module):
     quantization = None
 
     def __init__(self, path, folder, *, threads: int | None = None, kv_type: str = "q8_0/f16",
-                 aux_layers: tuple[int, ...] | None = None, repack: bool = True, min_rows: int = 1):  # fmt: skip
+                 aux_layers: tuple[int, ...] | None = None, repack: bool | None = None,
+                 min_rows: int = 1):  # fmt: skip
         super().__init__()
         from transformers import AutoConfig
 
@@ -55,6 +57,8 @@ class LlamaCppTarget(nn.Module):
         self.lib = library.load()
         params = self.lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        if repack is None:  # llama.cpp's AMX repacking crashed loading q8_0 on our Xeon (llama.cpp#20824): not there
+            repack = not any(flag.startswith("amx") for flag in cpu_flags())
         params.use_extra_bufts = repack  # weight repacking for this CPU's kernels
         self._model = self.lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
