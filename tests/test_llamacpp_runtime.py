@@ -91,6 +91,8 @@ def test_plain_decoding_equals_llama_server(smollm2):
     k_type, _, v_type = plain.target.kv_type.partition("/")  # the same K/V types as ours
     args = server_args(gguf, torch.get_num_threads(), k_type)
     args[args.index("-ctv") + 1] = v_type or k_type
+    if not plain.target.repack and "--no-repack" not in args:  # the same weight layout and kernels as ours
+        args.append("--no-repack")
     server = Server(binary, args, library.llamacpp_root() / "logs" / "test-runtime.log")
     try:
         for ids, ours in zip(prompts, want):

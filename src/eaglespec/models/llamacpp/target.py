@@ -59,7 +59,7 @@ class LlamaCppTarget(nn.Module):
         params.n_gpu_layers = 0
         if repack is None:  # llama.cpp's AMX repacking crashed loading q8_0 on our Xeon (llama.cpp#20824): not there
             repack = not any(flag.startswith("amx") for flag in cpu_flags())
-        params.use_extra_bufts = repack  # weight repacking for this CPU's kernels
+        params.use_extra_bufts = self.repack = repack  # weight repacking for this CPU's kernels
         self._model = self.lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path} (see EAGLESPEC_LLAMACPP_LOG=1 for why)")
