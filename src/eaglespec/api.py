@@ -122,9 +122,10 @@ def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = 
         gguf = Path(target)
     else:
         root = llamacpp_root()
-        gguf = convert_target(root, folder, "q8_0" if quantize == "int8" else LLAMACPP_OUTTYPE[dtype])
-        if quantize == "int4":
-            gguf = quantize_gguf(root, gguf, "q4_0")
+        qtype = LLAMACPP_QUANT.get(quantize)
+        gguf = convert_target(root, folder, qtype if qtype == "q8_0" else LLAMACPP_OUTTYPE[dtype])
+        if qtype == "q4_0":  # the converter writes no 4-bit type: llama.cpp's own quantizer does
+            gguf = quantize_gguf(root, gguf, qtype)
     tgt, not_exact = load_exact(gguf, folder)
     if not_exact and speculate:
         raise NotExactError(f"{not_exact}: speculation would not be lossless; use --runtime torch or --mode off")
