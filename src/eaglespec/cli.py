@@ -51,7 +51,7 @@ def cmd_generate(args) -> int:
     engine = load_engine(target, draft, expected_tokens=len(items) * args.max_new_tokens,
                          **settings.load_kwargs())  # fmt: skip
     dtype, why = engine.precision
-    print(f"[eaglespec] runtime: {engine.runtime[1]}", file=sys.stderr)
+    print(f"[eaglespec] runtime: {engine.runtime[1]}; drafter: {engine.draft_runtime}", file=sys.stderr)
     print(f"[eaglespec] precision: {dtype} ({why})", file=sys.stderr)
     q = getattr(engine.target, "quantization", None)  # --quantize, or a saved `eaglespec quantize` directory
     if q is not None:

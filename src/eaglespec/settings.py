@@ -119,6 +119,7 @@ class EngineSettings:
     quantize_group: int | None = None  # None: models/quantize.py's default group
     threads: int | None = None  # torch threads; None: torch's choice (one per core)
     runtime: str = "torch"  # api.choose_runtime; "auto": llama.cpp for a .gguf target when built (opt-in)
+    draft_runtime: str = "auto"  # api.drafter_on_runtime; "auto": the target's runtime
 
     def tree(self) -> TreeShape:
         """The fixed tree's shape, or auto's maximum depth (with the tree flags' width and nodes)."""
@@ -137,6 +138,7 @@ class EngineSettings:
         return {"device": self.device, "dtype": self.dtype, "compile": self.compile,
                 "quantize": None if self.quantize == "none" else self.quantize, "quantize_group": self.quantize_group,
                 "runtime": self.runtime,
+                "draft_runtime": self.draft_runtime,
                 "draft_window": self.draft_window, "mode": spec.mode, "tree": spec.tree, "chain_k": spec.chain_k,
                 "adaptive": spec.adaptive, "confidence": spec.confidence,
                 "draft_prefill_window": spec.draft_prefill_window}  # fmt: skip
@@ -222,6 +224,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_drafts: bool = False,
                               "scripts/llamacpp/build.sh; any GGUF quantization; exactness probed at load), torch, "
                               "or auto: llama.cpp for a .gguf target when built and exact here",
                               "runtime"))  # fmt: skip
+    r.add_argument("--draft-runtime", choices=["auto", "torch", "llamacpp"],
+                   help=_help("what runs the drafter's layer: llamacpp (its EAGLE-3 graph, the EAGLE-3.1 norms in "
+                              "PyTorch around it), torch, or auto: the target's runtime", "draft_runtime"))  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[EngineSettings, set[str]]:

@@ -142,7 +142,8 @@ def cmd_bench(args) -> int:
 
         rows = max(sweeps.parse_values(args.sweep_values, sweeps.BATCH_SIZES, "batch"))
     models = load_models(target, drafts, settings.dtype, settings.quantize, settings.quantize_group,
-                         settings.draft_window, runtime=settings.runtime, max_num_seqs=rows)  # fmt: skip
+                         settings.draft_window, runtime=settings.runtime, max_num_seqs=rows,
+                         draft_runtime=settings.draft_runtime)  # fmt: skip
     models.draft_prefill_window = settings.draft_prefill_window
     per_run = (parse_limit(args.limit, 4) or 4) * len(categories) * args.max_new_tokens * args.batch_size
     _, why = compile_models(models, settings.compile, per_run * max(1, len([k for k in kinds if k in OUR_KINDS])))

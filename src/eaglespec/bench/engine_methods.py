@@ -11,6 +11,7 @@ from pathlib import Path
 from ..api import (
     choose_compile,
     choose_runtime,
+    drafter_on_runtime,
     load_drafter_for,
     load_llamacpp_target,
     load_target_for_speculation,
@@ -18,6 +19,7 @@ from ..api import (
     stop_ids_for,
 )
 from ..engine import Engine, Request
+from ..models.gguf import as_model_folder
 from ..speculation.config import TreeShape
 from .method import Method, MethodRun, tensor_bytes, weight_bytes_per_forward
 
@@ -80,10 +82,10 @@ class Models:
 
 def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | None = None,
                 quantize_group: int | None = None, draft_window: int | None = None,
-                runtime: str = "torch", max_num_seqs: int = 1) -> Models:  # fmt: skip
+                runtime: str = "torch", max_num_seqs: int = 1, draft_runtime: str = "auto") -> Models:  # fmt: skip
     """The target as `generate` loads it (api.choose_runtime; PyTorch: api.load_target_for_speculation, dtype
     "auto" keeps a precision only where verification matches plain steps; llama.cpp: api.load_llamacpp_target,
-    its exactness probed) and each drafter for it (api.load_drafter_for)."""
+    its exactness probed) and each drafter for it (api.load_drafter_for, on api.drafter_on_runtime's runtime)."""
     quantize = None if quantize == "none" else quantize
     runtime, _ = choose_runtime(target_dir, runtime, device="cpu", quantize=quantize,
                                 max_num_seqs=max_num_seqs)  # fmt: skip
@@ -94,8 +96,13 @@ def load_models(target_dir, drafts: list, dtype: str = "auto", quantize: str | N
     else:
         target, dtype, _why = load_target_for_speculation(target_dir, dtype=dtype, quantize=quantize,
                                                           quantize_group=quantize_group)  # fmt: skip
-    drafters = [(label, Path(d), load_drafter_for(target, d, dtype=dtype, window=draft_window))
-                for d, label in zip(drafts, drafter_labels(drafts))]  # fmt: skip
+    folder = as_model_folder(target_dir)
+    drafters = []
+    for d, label in zip(drafts, drafter_labels(drafts)):
+        drafter, why = drafter_on_runtime(load_drafter_for(target, d, dtype=dtype, window=draft_window), target,
+                                          folder, draft_runtime, runtime)  # fmt: skip
+        print(f"[bench] drafter {label}: {why}", file=sys.stderr)
+        drafters.append((label, Path(d), drafter))
     return Models(Path(target_dir), target, load_tokenizer(target_dir), drafters, dtype,
                   quantize=quantize if quantize != "none" else None)  # fmt: skip
 

@@ -87,7 +87,7 @@ class Eagle3Drafter(nn.Module):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def new_cache(self, num_slots: int, max_length: int, initial_capacity: int = 256) -> KVCache:
-        p = self.fc.weight
+        p = self.norm.weight  # not a linear's: those may be quantized
         return KVCache(1, num_slots, self.cfg.num_key_value_heads, self.cfg.head_size, max_length=max_length,
                        dtype=p.dtype, device=p.device, initial_capacity=initial_capacity,
                        sliding_window=self.cfg.draft_attention_window)  # fmt: skip
@@ -102,15 +102,21 @@ class Eagle3Drafter(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
-    def forward(self, ids, hidden, positions, cache: KVCache, meta: StepMeta, *, with_logits: bool = True):
+    def forward(self, ids, hidden, positions, cache: KVCache, meta: StepMeta, *, at: torch.Tensor | None = None):
+        """(draft logits [B, T, Vd], next state [B, T, H]); with `at` [B] only those at token at[b] of each
+        row ([B, Vd], [B, H]): a prompt's extend needs one position per row, so lm_head runs on that alone."""
         attend = lambda u, cos, sin: self.midlayer.self_attn(u, cos, sin, cache, 0, meta)
-        return self.step(ids, hidden, positions, attend, with_logits=with_logits)
+        if at is None:
+            return self.step(ids, hidden, positions, attend)
+        normed, state = self.step(ids, hidden, positions, attend, with_logits=False)
+        pick = at.to(normed.device)[:, None, None]
+        normed = normed.gather(1, pick.expand(-1, 1, normed.shape[-1]))[:, 0]
+        return self.lm_head(normed), state.gather(1, pick.expand(-1, 1, state.shape[-1]))[:, 0]
 
     def step(self, ids, hidden, positions, attend, *, with_logits: bool = True):
         """The layer math with attention supplied by the caller: attend(u, cos, sin) -> [B, T, H].
         Inference attends through the KV cache; training-time test through its own TTT mask.
-        Returns (draft logits, or the final-normed hidden when with_logits=False, and the next state):
-        a prompt's extend only needs logits at one position per row, so it applies lm_head itself."""
+        Returns (draft logits, or the final-normed hidden when with_logits=False, and the next state)."""
         layer = self.midlayer
         e = self.embed(ids).to(hidden.dtype)
         hn = layer.hidden_norm(hidden)

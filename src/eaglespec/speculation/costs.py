@@ -135,6 +135,7 @@ def cache_key(target, drafter, batch: int) -> str:
         "batch": batch,
         "quantization": getattr(target, "quantization", None),  # int8 and w8a8 hold the same tensors
         "runtime": target.describe() if hasattr(target, "describe") else "torch",  # llama.cpp: file, KV, rows
+        "draft_runtime": drafter.describe() if hasattr(drafter, "describe") else "torch",
         "target": _model_signature(target),
         "drafter": _model_signature(drafter) if drafter is not None else None,
     }
@@ -186,7 +187,7 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
         for k in DRAFT_WIDTHS:
             ids = torch.randint(0, target.cfg.vocab_size, (batch, k), generator=gen).to(dev)
             hidden = torch.zeros(batch, k, drafter.cfg.hidden_size, device=dev, dtype=drafter.fc.weight.dtype)
-            mask = torch.ones(batch, k, k, dtype=torch.bool, device=dev)
+            mask = torch.eye(k, dtype=torch.bool, device=dev).expand(batch, k, k)  # k nodes of one tree level
             pos = torch.full((batch, k), context, device=dev)
 
             def run_drafter(ids=ids, hidden=hidden, mask=mask, pos=pos, k=k):

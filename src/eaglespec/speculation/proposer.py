@@ -83,12 +83,9 @@ class EagleProposer:
             meta = cache.prepare(rows, causal_mask(cnt, t))
             base = (meta.write_pos[:, :1]).expand(b, t) + torch.arange(t, device=ids.device)
             hidden = self.drafter.project(aux[:, c0 : c0 + t])
-            normed, state = self.drafter(ids[:, c0 : c0 + t], hidden, base, cache, meta, with_logits=False)
+            pick = (cnt - 1).clamp(min=0)  # only the last real pair's logits and state are used
+            step_logits, step_state = self.drafter(ids[:, c0 : c0 + t], hidden, base, cache, meta, at=pick)
             cache.commit(rows, cnt.cpu())
-            pick = (cnt - 1).clamp(min=0)
-            last = normed.gather(1, pick[:, None, None].expand(b, 1, normed.shape[-1]))[:, 0]
-            step_logits = self.drafter.lm_head(last)  # only the last real pair's logits are used
-            step_state = state.gather(1, pick[:, None, None].expand(b, 1, state.shape[-1]))[:, 0]
             if last_logits is None:
                 last_logits, last_state = step_logits, step_state
             else:

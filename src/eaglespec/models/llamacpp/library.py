@@ -1,4 +1,4 @@
-"""ctypes declarations of the llama.cpp C API functions the target runtime calls.
+"""ctypes declarations of the llama.cpp C API functions the target and drafter runtimes call.
 
 They mirror include/llama.h and src/llama-ext.h of the version scripts/llamacpp/build.sh builds (the
 llama-cpp-python 0.3.36 sdist's vendored llama.cpp); the structs are passed by value, so their fields
@@ -65,6 +65,13 @@ class ContextParams(C.Structure):
                 ("ctx_other", C.c_void_p)]  # fmt: skip
 
 
+class Embd(C.Structure):  # llama_embd: a non-owning view of embedding rows
+    _fields_ = [("data", C.POINTER(C.c_float)), ("n_rows", C.c_size_t), ("n_embd", C.c_size_t)]
+
+
+PROCESS_DECODE = 1  # llama_process_type
+
+
 _LOG_CALLBACK = C.CFUNCTYPE(None, C.c_int, C.c_char_p, C.c_void_p)
 _QUIET = _LOG_CALLBACK(lambda level, text, data: None)  # kept alive: llama.cpp holds the pointer
 
@@ -91,16 +98,30 @@ _SIGNATURES = {  # name: (result, argument types)
     "llama_memory_seq_cp": (None, [C.c_void_p, seq_t, seq_t, pos_t, pos_t]),
     "llama_memory_seq_pos_max": (pos_t, [C.c_void_p, seq_t]),
     "llama_set_n_threads": (None, [C.c_void_p, C.c_int32, C.c_int32]),
+    "llama_get_logits_ith": (C.POINTER(C.c_float), [C.c_void_p, C.c_int32]),
+    "llama_batch_ext_init": (C.c_void_p, [C.c_void_p]),
+    "llama_batch_ext_free": (None, [C.c_void_p]),
+    "llama_batch_ext_clear": (None, [C.c_void_p]),
+    "llama_batch_ext_add_token": (C.c_int32, [C.c_void_p, seq_t, token_t]),
+    "llama_batch_ext_set_embd_token": (C.c_bool, [C.c_void_p, C.c_int32, Embd]),
+    "llama_batch_ext_set_output_logits": (C.c_bool, [C.c_void_p, C.c_int32, C.c_bool]),
+    "llama_batch_ext_set_pos": (C.c_bool, [C.c_void_p, C.c_int32, C.POINTER(pos_t)]),
+    "llama_process": (C.c_int32, [C.c_void_p, C.c_int, C.c_void_p]),
+    "llama_set_embeddings_nextn": (None, [C.c_void_p, C.c_bool, C.c_bool]),
+    "llama_get_embeddings_nextn_ith": (C.POINTER(C.c_float), [C.c_void_p, C.c_int32]),
     "llama_set_embeddings_layer_inp": (None, [C.c_void_p, C.c_uint32, C.c_bool]),
     "llama_get_embeddings_layer_inp": (C.POINTER(C.c_float), [C.c_void_p, C.c_uint32]),
 }
 
 
-# llama-ext.h (the staging API the layer inputs come from) has no extern "C": its symbols carry C++
-# (Itanium ABI) names, whose calling convention for these argument types is the C one.
+# llama-ext.h (the staging API of the layer inputs and the EAGLE-3 drafter's pre-norm states) has no
+# extern "C": its symbols carry C++ (Itanium ABI) names, whose calling convention for these argument types
+# is the C one.
 _MANGLED = {
     "llama_set_embeddings_layer_inp": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
     "llama_get_embeddings_layer_inp": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    "llama_set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+    "llama_get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
 }
 
 
