@@ -3,7 +3,7 @@
 For each runtime and precision: is a verification row bit-identical to a one-token step (models/precision.row_gap,
 after a 40- and a 600-token context), and the milliseconds of a target forward over 1, 5, 9 and 17 rows with
 logits at every row, at 40 and 800 tokens of context; then the drafter's cost (one extend + a chain of 4 or the
-default tree, PyTorch). Run alone on the machine (nothing else on the cores):
+default tree; its layer in PyTorch or in llama.cpp). Run alone on the machine (nothing else on the cores):
     python scripts/runtime/step_costs.py [--target SmolLM2 .gguf] [--out docs/runtime/step_costs.md]
 Needs llama.cpp's shared library (scripts/llamacpp/build.sh) for the llama.cpp rows."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eaglespec.api import load_drafter_for
+from eaglespec.api import drafter_on_runtime, load_drafter_for
 from eaglespec.export.llamacpp_convert import convert_target, quantize_gguf
 from eaglespec.kv_cache import causal_mask
 from eaglespec.models.checkpoint import load_target
@@ -65,8 +65,8 @@ def forward_costs(target) -> dict:
 
 
 @torch.inference_mode()
-def drafter_costs(target, drafter_dir) -> dict:
-    drafter = load_drafter_for(target, drafter_dir)
+def drafter_costs(target, folder, drafter_dir, runtime: str) -> dict:
+    drafter, _ = drafter_on_runtime(load_drafter_for(target, drafter_dir), target, folder, runtime, "torch")
     if drafter.embed_tokens is None:  # as the engine does: the drafter shares the target's embedding
         drafter.attach_target_embedding(target.model.embed_tokens)
     proposer = EagleProposer(drafter)
@@ -82,7 +82,7 @@ def drafter_costs(target, drafter_dir) -> dict:
             logits, state = proposer.extend(cache, None, ids[:, :1], aux[:, :1], torch.tensor([1]))
             proposer.propose(cache, None, ids[:, 0], logits, state, shape=FixedShape(shape))
 
-        out[name] = best_ms(run)
+        out[name] = best_ms(run, repeats=15)
     return out
 
 
@@ -117,8 +117,12 @@ def main() -> None:
         lines.append(f"| {runtime} | {weights}{extra} | {gap:.2g} | {cells} |")
         print(lines[-1], flush=True)
         if runtime == "PyTorch" and weights == "fp32":
-            d = drafter_costs(target, default_models_dir() / SMOLLM2_DRAFTERS / "drafter-eagle3.1")
-            drafter_line = ", ".join(f"{k}: {v:.1f} ms" for k, v in d.items())
+            drafter_dir = default_models_dir() / SMOLLM2_DRAFTERS / "drafter-eagle3.1"
+            parts = []
+            for where, runtime in (("PyTorch", "torch"), ("llama.cpp (its EAGLE-3 graph)", "llamacpp")):
+                d = drafter_costs(target, folder, drafter_dir, runtime)
+                parts.append(f"{where}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in d.items()))
+            drafter_line = "; ".join(parts)
         del target
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
@@ -127,7 +131,8 @@ def main() -> None:
             "Milliseconds of one target forward (best of 7) over n rows with logits at every row, after 40 or 800 "
             "tokens of context; row gap: max |logit difference| between a 17-row verification and one-token steps "
             "(0 = exact by construction).\n\n" + "\n".join(lines) +
-            f"\n\nDrafter (EAGLE-3.1, PyTorch fp32), one extend + propose: {drafter_line}.\n")  # fmt: skip
+            f"\n\nDrafter (EAGLE-3.1; its layer in fp32 PyTorch or f16 llama.cpp), one extend + propose (best of 15): "
+            f"{drafter_line}.\n")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
