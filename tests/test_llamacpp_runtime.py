@@ -62,6 +62,7 @@ def test_verification_rows_have_the_bits_of_one_token_steps(smollm2):
     assert row_gap(plain.target) == 0.0
     assert row_gap(plain.target, rows=5, seed=3) == 0.0
     assert row_gap(plain.target, prompt_len=1200, rows=9, seed=4) == 0.0  # past llama.cpp's 512-cell split
+    assert row_gap(plain.target, prompt_len=4300, rows=17, seed=5) == 0.0  # a long context (> 4K cells)
 
 
 @needs_library

@@ -14,7 +14,7 @@ from eaglespec.models.fast_linear import kernel_signature, prepare_for_inference
 from eaglespec.models.precision import choose_dtype
 from eaglespec.speculation import costs as costs_mod
 from eaglespec.speculation.costs import StepCosts, cache_key, load_or_calibrate
-from eaglespec.speculation.policy import AcceptanceModel, Policy, best_node_count
+from eaglespec.speculation.policy import AcceptanceModel, Policy, best_node_count, speculation_ceiling
 from helpers import random_drafter, tiny_target
 
 
@@ -119,9 +119,9 @@ def test_depth_and_nodes_near_brute_force(conf, cost_kind, width):
 
 
 def test_nothing_pays_means_root_only_and_off():
-    """Expensive drafting and verification with a hopeless drafter: no node is worth verifying, and
+    """Costs where speculation could pay, with a hopeless drafter: no node is worth verifying, and
     measured speculative steps slower than plain ones turn speculation off, then probe again."""
-    costs = _costs(4e-3, 4e-3, 0, draft=3e-3)
+    costs = _costs(4e-3, 4e-4, 0, draft=3e-4)
     policy = Policy(costs, widths=(4,), max_depth=6)
     q = torch.full((1, 4), 0.05)
     assert policy.node_count(q, policy.draft_seconds(1, 4)) == 0
@@ -257,6 +257,27 @@ def test_only_steps_at_the_calibrated_batch_judge_the_calibration():
     for _ in range(20):
         policy.observe(False, 1, 20 * costs.verify_cost(1), rows=costs.batch)
     assert policy.calibration_suspect()
+
+
+def test_no_drafting_where_the_costs_say_speculation_cannot_pay():
+    """A compute-bound target (each verified token per row costs nearly a step, as at batch 64+ on a
+    2-core CPU): even good drafts cannot gain 5%, so the policy plans plain steps from the start and
+    reports backing off (the core then skips the drafter's prompt pairs); a memory-bound one speculates."""
+    bound = _costs(1e-3, 9e-3, 0, draft=5e-4, batch=64)  # verify(2) / verify(1) = 1.9
+    assert speculation_ceiling(bound) < 1.05
+    policy = Policy(bound, widths=(1, 2, 4))
+    assert [policy.plan() for _ in range(5)] == [None] * 5 and policy.backing_off
+    policy.adaptive = False  # a forced shape still speculates
+    assert policy.plan() is not None
+    flat = _costs(20e-3, 1e-3, 0, draft=1e-3, batch=4)  # verify(2) / verify(1) = 1.05
+    assert speculation_ceiling(flat) > 1.5
+    policy = Policy(flat, widths=(1, 2, 4))
+    assert policy.plan() is not None and not policy.backing_off
+    long = _costs(1e-3, 9e-3, 0, draft=5e-4)  # what the ceiling reads follows the rows' context (set_context)
+    long.long, long.long_context = {n: 0.2 + 9e-3 * n for n in (1, 2, 4, 8)}, 8192
+    assert speculation_ceiling(long) < 1.05
+    long.set_context(8000)
+    assert speculation_ceiling(long) > 1.5
 
 
 def test_backing_off_only_in_a_real_plain_run():

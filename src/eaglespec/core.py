@@ -179,10 +179,14 @@ class EngineCore:
         self.state = self.state.select(keep) if keep else None
         self._sampling = None
 
+    def _bucket(self, batch: int) -> int:
+        """The batch-size bucket whose policy decodes `batch` rows."""
+        return self.policy_batch or min(1 << (max(batch, 1) - 1).bit_length(), self.scheduler.max_num_seqs)
+
     def _policy_now(self, batch: int):
         if self.drafter is None:
             return None
-        key = self.policy_batch or min(1 << (batch - 1).bit_length(), self.scheduler.max_num_seqs)
+        key = self._bucket(batch)
         self._policy_age += 1
         if key != self._policy_key or self._policy_age >= POLICY_RECHECK_STEPS:
             self.policy, self._policy_key, self._policy_age = self.policies.for_batch(key), key, 0
@@ -245,7 +249,8 @@ class EngineCore:
         each prompt. Returned as the arguments of one extend, run at the start of the next step so
         that the first token reaches the client after the target's prefill alone."""
         window = self.spec.prefill_window
-        if self.policy is not None and self.policy.backing_off:
+        policy = self.policies.for_batch(self._bucket(len(self.scheduler.running) + len(self.scheduler.prefilling)))
+        if policy is not None and policy.backing_off:
             window = 0  # speculation does not pay at this batch size now: the drafter starts from later pairs
         done = torch.tensor([r.done for r in group])
         pairs = torch.tensor([len(r.request.prompt_ids) - 1 for r in group])

@@ -191,7 +191,7 @@ def calibrate(target, drafter, batch: int, *, context: int = CALIBRATION_CONTEXT
             pos = torch.full((batch, k), context, device=dev)
 
             def run_drafter(ids=ids, hidden=hidden, mask=mask, pos=pos, k=k):
-                meta = dcache.prepare(rows, mask)
+                meta = dcache.prepare(rows, mask, pos)
                 logits, _ = drafter(ids, hidden, pos, dcache, meta)
                 logits.float().log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
                 sync()
