@@ -246,7 +246,9 @@ def choose_compile(engine: Engine, requested: str, expected_tokens: int | None =
         raise ValueError(f"--compile must be one of {', '.join(compiled.CHOICES)}, got {requested!r}")
     if requested == "off":
         return False, "eager (--compile off, the default; on or auto to compile)"
-    models = [m for m in (engine.target, engine.drafter) if m is not None]
+    models = [m for m in (engine.target, engine.drafter) if m is not None and getattr(m, "runtime", "torch") == "torch"]
+    if not models:
+        return False, "eager (llama.cpp runs the models)"
     if all(compiled.is_compiled(m) for m in models):
         return True, "compiled (these models were compiled before)"
     key = cache_key(engine.target, engine.drafter, 1)
