@@ -130,6 +130,9 @@ def tree_plain_gap(target, *, prompt_len: int = 40, tree_len: int = 17, seed: in
     return float((logits[0] - logits[1]).abs().max())
 
 
+PROBE_CHUNK = 512  # prefill chunk of row_gap's context (the engine's prefill chunk)
+
+
 @torch.inference_mode()
 def row_gap(target, *, prompt_len: int = 40, rows: int = 17, seed: int = 0) -> float:
     """Max |logit difference| over `rows` tokens between one verification-shaped forward of all of them
@@ -147,8 +150,10 @@ def row_gap(target, *, prompt_len: int = 40, rows: int = 17, seed: int = 0) -> f
         h, _ = target(ids[:, start : start + t], meta.write_pos, cache, meta, capture_aux=False, last_only=last_only)
         return target.logits(h[:, -1:] if last_only else h)[0].float()
 
-    forward(0, prompt_len, last_only=True)
-    cache.commit(None, torch.tensor([prompt_len]))
+    for start in range(0, prompt_len, PROBE_CHUNK):  # the context, in chunks as the engine prefills
+        t = min(PROBE_CHUNK, prompt_len - start)
+        forward(start, t, last_only=True)
+        cache.commit(None, torch.tensor([t]))
     together = forward(prompt_len, rows)  # not committed: the next prepare discards it
     apart = []
     for i in range(rows):
