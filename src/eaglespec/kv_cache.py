@@ -109,13 +109,11 @@ class KVCache:
 
     def allocate(self) -> int:
         """Take a free slot for a new sequence and return its index."""
-        for slot, used in enumerate(self.in_use):
-            if not used:
-                self.in_use[slot] = True
-                self.lengths[slot] = 0
-                return slot
-        self.add_slots(max(1, self.num_slots))
-        return self.allocate()
+        slot = claim_free_slot(self)
+        if slot is None:
+            self.add_slots(max(1, self.num_slots))
+            return self.allocate()
+        return slot
 
     def free(self, slot: int) -> None:
         self.in_use[slot] = False
@@ -223,6 +221,16 @@ class KVCache:
         for cache in self.k + self.v:
             cache[r, :, dst] = cache[r, :, src]  # gather first, then scatter: overlap-safe
         self.commit(rows, counts)
+
+
+def claim_free_slot(cache) -> int | None:
+    """Mark a cache's first unused slot used, with no tokens, and return it (None: all are in use)."""
+    for slot, used in enumerate(cache.in_use):
+        if not used:
+            cache.in_use[slot] = True
+            cache.lengths[slot] = 0
+            return slot
+    return None
 
 
 def causal_mask(counts: torch.Tensor, t: int) -> torch.Tensor:

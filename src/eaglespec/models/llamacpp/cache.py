@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kv_cache import ContextLengthError
+from ...kv_cache import ContextLengthError, claim_free_slot
 from . import library
 
 SEQUENCES = 254  # llama.cpp's LLAMA_MAX_SEQ (256), less the companion row's and the garbage sequences
@@ -149,13 +149,11 @@ class LlamaCppCache:
                            "create the engine core with a larger max_num_seqs")  # fmt: skip
 
     def allocate(self) -> int:
-        for slot, used in enumerate(self.in_use):
-            if not used:
-                self.in_use[slot] = True
-                self.lengths[slot] = 0
-                self.tokens[slot] = []
-                return slot
-        self.add_slots(1)
+        slot = claim_free_slot(self)
+        if slot is None:
+            self.add_slots(1)  # raises: the slots are fixed
+        self.tokens[slot] = []
+        return slot
 
     def free(self, slot: int) -> None:
         self.lib.llama_memory_seq_rm(self.memory, self.current[slot], -1, -1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kv_cache import ContextLengthError
+from ...kv_cache import ContextLengthError, claim_free_slot
 from . import library
 
 SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -94,12 +94,10 @@ class LlamaCppDraftCache:
                            "create the engine core with a larger max_num_seqs")  # fmt: skip
 
     def allocate(self) -> int:
-        for slot, used in enumerate(self.in_use):
-            if not used:
-                self.in_use[slot] = True
-                self.lengths[slot] = 0
-                return slot
-        self.add_slots(1)
+        slot = claim_free_slot(self)
+        if slot is None:
+            self.add_slots(1)  # raises: the slots are fixed
+        return slot
 
     def free(self, slot: int) -> None:
         self._forget_tree(slot)
