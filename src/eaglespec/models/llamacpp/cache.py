@@ -72,7 +72,34 @@ class _BatchArrays:
                              ptr(self.n_seq, C.c_int32), self.seq_ptrs, ptr(self.logits, C.c_int8))  # fmt: skip
 
 
-class LlamaCppCache:
+class FixedSlots:
+    """Slot bookkeeping of a llama.cpp context (lengths, in_use, max_length): a fixed number of slots."""
+
+    what = "the llama.cpp runtime's cache"
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.numel()
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.max_length:
+            raise ContextLengthError(
+                f"sequence needs {needed} positions but the model supports {self.max_length}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+
+    def add_slots(self, n: int) -> None:
+        raise RuntimeError(f"{self.what} has a fixed {self.num_slots} slots; "
+                           "create the engine core with a larger max_num_seqs")  # fmt: skip
+
+    def allocate(self) -> int:
+        slot = claim_free_slot(self)
+        if slot is None:
+            self.add_slots(1)  # raises: the slots are fixed
+        return slot
+
+
+class LlamaCppCache(FixedSlots):
     """num_slots sequences of up to max_length positions in one llama.cpp context (threads: its decode
     threads; kv_type: "f32", "f16" or "q8_0" K/V; max_outputs: logits rows one forward may return).
 
@@ -128,30 +155,13 @@ class LlamaCppCache:
             self.lib.llama_free(self.ctx)
             self.ctx = None
 
-    # -- slots (as KVCache) ----------------------------------------------------------------------------
-    @property
-    def num_slots(self) -> int:
-        return self.lengths.numel()
-
+    # -- slots (as KVCache; the count is fixed: FixedSlots) ---------------------------------------------
     @property
     def capacity(self) -> int:
         return self.max_length
 
-    def reserve(self, needed: int) -> None:
-        if needed > self.max_length:
-            raise ContextLengthError(
-                f"sequence needs {needed} positions but the model supports {self.max_length}; "
-                "shorten the prompt or lower max_new_tokens"
-            )
-
-    def add_slots(self, n: int) -> None:
-        raise RuntimeError(f"the llama.cpp runtime's cache has a fixed {self.num_slots} slots; "
-                           "create the engine core with a larger max_num_seqs")  # fmt: skip
-
     def allocate(self) -> int:
-        slot = claim_free_slot(self)
-        if slot is None:
-            self.add_slots(1)  # raises: the slots are fixed
+        slot = super().allocate()
         self.tokens[slot] = []
         return slot
 

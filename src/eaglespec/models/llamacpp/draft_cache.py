@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kv_cache import ContextLengthError, claim_free_slot
 from . import library
+from .cache import FixedSlots
 
 SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 MAX_NODES = 256  # committed entries remembered per slot: the columns a tree level's mask may point back to
@@ -42,7 +42,9 @@ class DraftStep:
         return torch.tensor(self.base)[:, None] + torch.arange(self.t)
 
 
-class LlamaCppDraftCache:
+class LlamaCppDraftCache(FixedSlots):
+    what = "the llama.cpp drafter's cache"
+
     def __init__(self, lib, model_ptr, *, num_slots: int, max_length: int, threads: int, max_batch_tokens: int):
         if num_slots >= SEQUENCES:
             raise ValueError(f"the llama.cpp drafter holds at most {SEQUENCES - 1} slots; got {num_slots}")
@@ -80,25 +82,7 @@ class LlamaCppDraftCache:
             self.lib.llama_free(self.ctx)
             self.ctx = None
 
-    # -- slots (as KVCache) ----------------------------------------------------------------------------
-    @property
-    def num_slots(self) -> int:
-        return self.lengths.numel()
-
-    def reserve(self, needed: int) -> None:
-        if needed > self.max_length:
-            raise ContextLengthError(f"the drafter needs {needed} positions but its cache holds {self.max_length}")
-
-    def add_slots(self, n: int) -> None:
-        raise RuntimeError(f"the llama.cpp drafter's cache has a fixed {self.num_slots} slots; "
-                           "create the engine core with a larger max_num_seqs")  # fmt: skip
-
-    def allocate(self) -> int:
-        slot = claim_free_slot(self)
-        if slot is None:
-            self.add_slots(1)  # raises: the slots are fixed
-        return slot
-
+    # -- slots (as KVCache; the count is fixed: FixedSlots) ---------------------------------------------
     def free(self, slot: int) -> None:
         self._forget_tree(slot)
         self.lib.llama_memory_seq_rm(self.memory, self.main[slot], -1, -1)
