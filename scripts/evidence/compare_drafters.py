@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--long-limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--shapes", default="chain7,tree,tree7")
+    ap.add_argument("--target", default=str(REPO / "models" / "target"),
+                    help="the target (folder or .gguf; default: the 8.4M test model the e14 runs were trained for)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--replicates", type=int, default=2000)
     ap.add_argument("--summarize-only", action="store_true")
@@ -84,7 +86,7 @@ def main() -> int:
     from eaglespec.bench.compare import build_prompts, run, shape_ratios, summarize_run
 
     torch.set_num_threads(args.threads)
-    target = REPO / "models" / "target"
+    target = Path(args.target)
     out = Path(args.out)
     if args.variant:
         variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variant}
