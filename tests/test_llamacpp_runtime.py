@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from eaglespec import settings
-from eaglespec.api import generate, load_drafter_for, load_engine
-from eaglespec.engine import Engine
+from eaglespec.api import generate, load_engine
 from eaglespec.kv_cache import causal_mask
 from eaglespec.models.gguf import gguf_folder
 from eaglespec.models.llamacpp import library
-from eaglespec.models.llamacpp.target import LlamaCppTarget, load_exact
 from eaglespec.models.precision import row_gap
 from eaglespec.speculation.config import TreeShape
 
@@ -38,55 +36,41 @@ needs_library = pytest.mark.skipif(NOT_BUILT is not None, reason=NOT_BUILT or ""
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """(gguf, plain engine, prompts, plain outputs, probed target, why not exact or None): the plain engine
-    skips the exactness probe (nothing verifies); `probed` is the target speculation loads (load_exact)."""
     gguf = _smollm2()
     plain = load_engine(gguf, None, mode="off", runtime="llamacpp")
     chat = plain.tokenizer.apply_chat_template
     prompts = [list(chat([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=0))
                for q in QUESTIONS]  # fmt: skip
     want = [r.output_ids for r in generate(plain, prompts, max_new_tokens=40).results]
-    probed, not_exact = load_exact(gguf, gguf_folder(gguf))
-    return gguf, plain, prompts, want, probed, not_exact
+    return gguf, plain, prompts, want
+
+
+def _exact_here(plain) -> bool:
+    """The load-time probe's verdict on this machine's kernels (speculation is refused where it fails)."""
+    return "probe" in plain.precision[1]
 
 
 @needs_library
 def test_verification_rows_have_the_bits_of_one_token_steps(smollm2):
-    gguf, plain, _, _, probed, not_exact = smollm2
+    gguf, plain, _, _ = smollm2
     assert plain.runtime[0] == "llamacpp"
-    if not_exact:  # then speculation is refused, and auto falls back to PyTorch, saying why
+    if not _exact_here(plain):  # then speculation is refused, and auto falls back to PyTorch, saying why
         with pytest.raises(ValueError, match="would not be lossless"):
             load_engine(gguf, DRAFTER, runtime="llamacpp")
         assert load_engine(gguf, DRAFTER, runtime="auto").runtime[0] == "torch"
-        pytest.skip(f"llama.cpp's kernels are not row-invariant on this machine: {not_exact}")
-    assert row_gap(probed) == 0.0
-    assert row_gap(probed, rows=5, seed=3) == 0.0
-    assert row_gap(probed, prompt_len=1200, rows=9, seed=4) == 0.0  # past llama.cpp's 512-cell split
-    assert row_gap(probed, prompt_len=4300, rows=17, seed=5) == 0.0  # a long context (> 4K cells)
-
-
-@needs_library
-def test_plain_decoding_runs_llamacpps_one_row_steps(smollm2):
-    """A drafter-less engine never verifies, so its one-token steps go to llama.cpp as one row (its fastest
-    kernels), even on a target whose speculative steps need a companion row; a speculative engine's don't."""
-    gguf, plain, prompts, want, probed, _ = smollm2
-    assert "no verification" in plain.precision[1] and plain.target.min_rows == 1
-    two_rows = LlamaCppTarget(gguf, gguf_folder(gguf), min_rows=2)
-    engine = Engine(two_rows, None, mode="off", tokenizer=plain.tokenizer)
-    assert [r.output_ids for r in generate(engine, prompts[:2], max_new_tokens=40).results] == want[:2]
-    assert engine.core.tcache.min_rows == 1
-    drafter = load_drafter_for(two_rows, DRAFTER)
-    spec = Engine(two_rows, drafter, mode="chain", tokenizer=plain.tokenizer)
-    generate(spec, prompts[:1], max_new_tokens=4)
-    assert spec.core.tcache.min_rows == 2
+        pytest.skip(f"llama.cpp's kernels are not row-invariant on this machine: {plain.precision[1]}")
+    assert row_gap(plain.target) == 0.0
+    assert row_gap(plain.target, rows=5, seed=3) == 0.0
+    assert row_gap(plain.target, prompt_len=1200, rows=9, seed=4) == 0.0  # past llama.cpp's 512-cell split
+    assert row_gap(plain.target, prompt_len=4300, rows=17, seed=5) == 0.0  # a long context (> 4K cells)
 
 
 @needs_library
 @pytest.mark.parametrize("mode", ["auto", "tree", "chain"])
 def test_greedy_speculation_equals_plain_decoding_on_llamacpp(smollm2, mode):
-    gguf, plain, prompts, want, _, not_exact = smollm2
-    if not_exact:
-        pytest.skip(f"speculation refused on this machine: {not_exact}")
+    gguf, plain, prompts, want = smollm2
+    if not _exact_here(plain):
+        pytest.skip(f"speculation refused on this machine: {plain.precision[1]}")
     engine = load_engine(gguf, DRAFTER, mode=mode, tree=TreeShape(4, 4, 16), chain_k=4, runtime="llamacpp")
     if mode != "auto":
         engine.configure(adaptive=False)  # forced shapes speculate on every step
@@ -101,7 +85,7 @@ def test_greedy_speculation_equals_plain_decoding_on_llamacpp(smollm2, mode):
 def test_plain_decoding_equals_llama_server(smollm2):
     from eaglespec.bench.peers.llamacpp import SERVER, Server, cut_at_stop, server_args
 
-    gguf, plain, prompts, want, _, _ = smollm2
+    gguf, plain, prompts, want = smollm2
     binary = library.llamacpp_root() / "build" / "bin" / SERVER
     if not binary.is_file():
         pytest.skip(f"{binary} is not built")
@@ -125,7 +109,7 @@ def test_aux_states_are_the_residual_stream_at_the_aux_layers(smollm2):
     activation rounding of llama.cpp's quantized matmuls, far closer than the neighbouring layers."""
     from eaglespec.models.checkpoint import load_target
 
-    gguf, plain, prompts, _, _, _ = smollm2
+    gguf, plain, prompts, _ = smollm2
     ours, ref = plain.target, load_target(gguf_folder(gguf))
     ids = torch.tensor([prompts[0]])
     n = ids.shape[1]

@@ -135,12 +135,12 @@ class NotExactError(ValueError):
 def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = None, speculate: bool = True):
     """(target, label, why) for the llama.cpp runtime: a .gguf file runs as it is; a folder is converted
     with llama.cpp's converter at --dtype (--quantize int8/int4: Q8_0/Q4_0). Speculation needs its
-    exactness probe to pass (models/llamacpp/target.load_exact), else NotExactError; speculate False
-    (plain decoding only) skips the probe."""
+    exactness probe to pass (models/llamacpp/target.load_exact); else ValueError, or plain decoding
+    when speculate is False."""
     from .export.llamacpp_convert import convert_target, quantize_gguf
     from .models.gguf import is_gguf, source_gguf
     from .models.llamacpp.library import llamacpp_root
-    from .models.llamacpp.target import LlamaCppTarget, load_exact
+    from .models.llamacpp.target import load_exact
 
     target = source_gguf(target) or target  # a GGUF's converted folder: that GGUF
     folder = Path(as_model_folder(target))
@@ -155,13 +155,11 @@ def load_llamacpp_target(target, *, dtype: str = "auto", quantize: str | None = 
         gguf = convert_target(root, folder, qtype if qtype == "q8_0" else LLAMACPP_OUTTYPE[dtype])
         if qtype == "q4_0":  # the converter writes no 4-bit type: llama.cpp's own quantizer does
             gguf = quantize_gguf(root, gguf, qtype)
-    if not speculate:  # nothing verifies: no probe, one-token steps as llama.cpp runs them
-        tgt = LlamaCppTarget(gguf, folder)
-        return tgt, tgt.describe(), "plain decoding: llama.cpp's own one-token steps (no verification to match)"
     tgt, not_exact = load_exact(gguf, folder)
-    if not_exact:
+    if not_exact and speculate:
         raise NotExactError(f"{not_exact}: speculation would not be lossless; use --runtime torch or --mode off")
-    return tgt, tgt.describe(), "its verification rows have the same bits as one-token steps (probe)"
+    why = "its verification rows have the same bits as one-token steps (probe)" if not not_exact else not_exact
+    return tgt, tgt.describe(), why
 
 
 def load_drafter_for(target, draft, *, device: str = "cpu", dtype: str = "fp32", window: int | None = None):

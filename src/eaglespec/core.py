@@ -57,8 +57,7 @@ class EngineCore:
         self.default_params = default_params
         self.policy_batch = policy_batch  # None: the policy of the running batch size's bucket
         self.generator = make_generator(seed, self.device)
-        # without a drafter no forward verifies: a runtime may then run one-token steps its fastest way
-        self.tcache = target.new_cache(max_num_seqs, max_length=max_length, verifies=drafter is not None)
+        self.tcache = target.new_cache(max_num_seqs, max_length=max_length)
         self.dcache = drafter.new_cache(max_num_seqs, max_length=max_length + spec.tree_slack) if drafter else None
         self.stats = SpecStats()  # the core's own phase times (not summed over rows)
         self.state: BatchState | None = None  # of scheduler.running, row for row

@@ -141,9 +141,7 @@ class LlamaTarget(nn.Module):
     def set_aux_layers(self, aux_layers: tuple[int, ...] | None) -> None:
         self.aux_layers = self.cfg.aux_layers(aux_layers)
 
-    def new_cache(self, num_slots: int, *, max_length: int | None = None, initial_capacity: int = 256,
-                  verifies: bool = True):  # fmt: skip
-        """verifies: whether verification forwards will use it (no effect here: the same kernels either way)."""
+    def new_cache(self, num_slots: int, *, max_length: int | None = None, initial_capacity: int = 256):
         p = next(self.parameters())
         return KVCache(
             self.cfg.num_layers,

@@ -85,13 +85,11 @@ class LlamaCppTarget(nn.Module):
         return f"llama.cpp ({self.path.name}, {self.kv_type} KV cache, {self.threads} threads{rows})"
 
     def new_cache(self, num_slots: int, *, max_length: int | None = None, initial_capacity: int | None = None,
-                  max_batch_tokens: int = 2048, verifies: bool = True) -> LlamaCppCache:  # fmt: skip
-        """verifies False (plain decoding only): one-token steps as one row, llama.cpp's fastest, whatever
-        min_rows the exactness probe asked for verification's sake."""
+                  max_batch_tokens: int = 2048) -> LlamaCppCache:  # fmt: skip
         return LlamaCppCache(self.lib, self._model, num_slots=num_slots,
                              max_length=max_length or self.cfg.max_position_embeddings, threads=self.threads,
                              kv_type=self.kv_type, max_batch_tokens=max(max_batch_tokens, num_slots * MAX_TREE_TOKENS),
-                             max_outputs=num_slots * MAX_TREE_TOKENS, min_rows=self.min_rows if verifies else 1)  # fmt: skip
+                             max_outputs=num_slots * MAX_TREE_TOKENS, min_rows=self.min_rows)  # fmt: skip
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
