@@ -2,13 +2,14 @@
 
 The bundled test target with a twin for every token of the first half of its vocabulary: the twin's output
 row (tied embedding) is the original's plus ~1e-7 per weight, so at every step the top two logits are a
-token and its twin, one or two fp32 ulps apart (1e-6 to 4e-6 at these logits' size) or tied. Any difference between a verification row and a one-token step
-(summation order, kernel choice) then flips tokens; only a target whose rows have the same bits in both
-agrees with plain decoding on every token. Checked for each configuration claimed exact by construction:
-llama.cpp's runtime (F32, Q8_0: its exactness probe; skipped where the probe refuses speculation) and the
-PyTorch quantized targets (fp64 attention, models/precision.attention_dtype), with a deep tree and a chain.
-Not here: the PyTorch fp32 target, exact by measurement only (its SDPA sums a row in another order at 1 and 17
-query rows: logits ~5e-5 apart); on this rig its speculative output differs from plain (measured 2026-12-07).
+token and its twin, tied or one or two fp32 ulps apart (1e-6 to 4e-6 at these logits' size). Any difference
+between a verification row and a one-token step (summation order, kernel choice) then flips tokens; only a
+target whose rows have the same bits in both agrees with plain decoding on every token. Checked for each
+configuration claimed exact by construction: llama.cpp's runtime (F32, Q8_0: its exactness probe; skipped
+where the probe refuses speculation) and the PyTorch quantized targets (fp64 attention,
+models/precision.attention_dtype), with a deep tree and a chain. Not here: the PyTorch fp32 target, exact by
+measurement only (its SDPA sums a row in another order at 1 and 17 query rows: logits ~5e-5 apart); on this
+rig its speculative output differs from plain (measured 2026-12-07).
 """
 
 from __future__ import annotations
