@@ -45,5 +45,6 @@ def build_methods(kinds: list[str], models: Models, *, tree: TreeShape, chain_k:
                                     threads=torch.get_num_threads(), dtype=models.dtype, chain_k=chain_k,
                                     source_dir=gguf_source,
                                     not_lossless=RANDOM_WEIGHTS if gguf_source else None,
-                                    quantize=models.quantize)  # fmt: skip
+                                    quantize=models.quantize,
+                                    gguf=getattr(models.target, "path", None))  # fmt: skip
     return methods

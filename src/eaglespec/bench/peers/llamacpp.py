@@ -223,14 +223,15 @@ def server_args(gguf: Path, threads: int, kv: str) -> list[str]:
 
 def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dtype: str = "fp32",
                      chain_k: int = 4, source_dir=None, not_lossless: str | None = None,
-                     quantize: str | None = None) -> list[Method]:  # fmt: skip
+                     quantize: str | None = None, gguf: Path | None = None) -> list[Method]:  # fmt: skip
     """The requested llama.cpp methods; [] with a printed reason when llama.cpp is not built.
     drafters: (label, path) pairs; EAGLE-3.1 ones are skipped with llama.cpp's missing fc_norm as reason.
     source_dir: what the converter reads (default target_dir; --shape targets need a tokenizer added);
     not_lossless: why these rows stay out of the lossless check even at f32 (random weights: near-ties).
     quantize: our target's --quantize; int8 and w8a8 run llama.cpp on q8_0 weights (its nearest format:
     its CPU dot products also round activations to 8 bits, per block of 32), int4 on q4_0 (blocks of 32
-    4-bit weights with one scale, written by llama-quantize)."""
+    4-bit weights with one scale, written by llama-quantize). gguf: the file our llama.cpp runtime runs: the
+    peer runs that same file (same weights and kernels; its K/V type may differ from ours, so no lossless check)."""
     from ...export.llamacpp_convert import (
         UnsupportedDrafter,
         check_drafter_supported,
@@ -256,7 +257,12 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
         requantize, not_lossless = "q4_0", not_lossless or "q4_0 (blocks of 32) quantizes unlike our int4 groups"
     elif quantize not in (None, "none"):
         raise ValueError(f"llama.cpp peer: no GGUF type for --quantize {quantize} (int8/w8a8 -> q8_0, int4 -> q4_0)")
-    target_gguf = convert_target(root, source_dir or target_dir, outtype)
+    draft_type = outtype  # the EAGLE-3 drafter's GGUF type
+    if gguf is not None:
+        target_gguf, outtype, requantize = Path(gguf), Path(gguf).name, None
+        not_lossless = not_lossless or "the same GGUF as our llama.cpp runtime, with f32 K/V (ours: q8_0/f16)"
+    else:
+        target_gguf = convert_target(root, source_dir or target_dir, outtype)
     if requantize:
         try:
             target_gguf, outtype = quantize_gguf(root, target_gguf, requantize), requantize
@@ -268,7 +274,7 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
         for label, path in drafters:
             try:
                 check_drafter_supported(path)
-                usable.append((label, convert_drafter(root, path, target_dir, outtype), str(path)))
+                usable.append((label, convert_drafter(root, path, target_dir, draft_type), str(path)))
             except UnsupportedDrafter as e:
                 print(f"[bench] skipping llamacpp_eagle3 for {label}: {e}", file=sys.stderr)
         if not usable:
