@@ -46,15 +46,16 @@ def best_ms(fn, repeats: int = 7) -> float:
 
 
 @torch.inference_mode()
-def forward_costs(target) -> dict:
+def forward_costs(target, contexts=CONTEXTS, rows=ROWS) -> dict:
+    """{(context, rows): best ms of one forward over `rows` tokens with logits at every row after `context`}."""
     out = {}
-    for ctx in CONTEXTS:
-        cache = target.new_cache(1, max_length=ctx + max(ROWS) + 1)
-        ids = torch.randint(0, target.cfg.vocab_size, (1, ctx + max(ROWS)), generator=torch.Generator().manual_seed(0))
+    for ctx in contexts:
+        cache = target.new_cache(1, max_length=ctx + max(rows) + 1)
+        ids = torch.randint(0, target.cfg.vocab_size, (1, ctx + max(rows)), generator=torch.Generator().manual_seed(0))
         meta = cache.prepare(None, causal_mask(torch.tensor([ctx]), ctx))
         target(ids[:, :ctx], meta.write_pos, cache, meta, capture_aux=True, last_only=True)
         cache.commit(None, torch.tensor([ctx]))
-        for n in ROWS:
+        for n in rows:
             def run(n=n, cache=cache, ids=ids, ctx=ctx):
                 meta = cache.prepare(None, causal_mask(torch.tensor([n]), n))
                 h, _ = target(ids[:, ctx : ctx + n], meta.write_pos, cache, meta, capture_aux=True)

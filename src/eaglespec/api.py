@@ -55,7 +55,19 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
                    f"{gap:.3g} on this machine, which changes greedy tokens")  # fmt: skip
             chosen = "fp32"
             tgt = load(chosen)
-    return tgt, chosen, why
+    return tgt, chosen, why + exactness_note(next(tgt.parameters()))
+
+
+def exactness_note(param) -> str:
+    """Whether a PyTorch target's verification rows have the bits of one-token steps by construction."""
+    from .models import row_attention
+    from .models.precision import row_invariant_attention
+
+    if row_invariant_attention(param):
+        return "; verification rows exact by construction (row-invariant attention and linears)"
+    kind = f"{str(param.dtype).removeprefix('torch.')} on {param.device.type}"
+    why = row_attention.unavailable_reason() if kind == "float32 on cpu" else None
+    return f"; verification rows not exact by construction ({why or 'no row-invariant attention for ' + kind})"
 
 
 RUNTIMES = ("auto", "torch", "llamacpp")

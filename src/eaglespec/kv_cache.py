@@ -53,8 +53,10 @@ class KVCache:
         device: str | torch.device = "cpu",
         initial_capacity: int = 256,
         sliding_window: int | None = None,
+        row_invariant: bool = False,
     ):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.row_invariant = row_invariant  # attention over it by models/row_attention (fp32, CPU)
         self.max_length = max_length
         self.dtype, self.device = dtype, torch.device(device)
         self.sliding_window = sliding_window
@@ -181,18 +183,24 @@ class KVCache:
             mask &= ~too_far
         return StepMeta(rows, write_pos, mask[:, None], span, write_start, start)
 
-    def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Store this step's K/V ([B, kv_heads, T, hd]) and return the K/V to attend over ([B, kv, S, hd])."""
+    def write(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store this step's K/V ([B, kv_heads, T, hd]) at meta.write_pos."""
         k, v = self.k[layer], self.v[layer]
         batch = k_new.shape[0]
         if meta.write_start is not None:  # every row writes at the same place: slice copies
             s0, t = meta.write_start, k_new.shape[2]
             k[:batch, :, s0 : s0 + t].copy_(k_new)
             v[:batch, :, s0 : s0 + t].copy_(v_new)
-            return k[:batch, :, meta.start : meta.span], v[:batch, :, meta.start : meta.span]
+            return
         rows = torch.arange(batch, device=self.device) if meta.rows is None else meta.rows
         k[rows[:, None], :, meta.write_pos] = k_new.transpose(1, 2)
         v[rows[:, None], :, meta.write_pos] = v_new.transpose(1, 2)
+
+    def write_and_read(self, layer: int, meta: StepMeta, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store this step's K/V ([B, kv_heads, T, hd]) and return the K/V to attend over ([B, kv, S, hd])."""
+        self.write(layer, meta, k_new, v_new)
+        k, v = self.k[layer], self.v[layer]
+        batch = k_new.shape[0]
         if meta.rows is None:
             return k[:batch, :, meta.start : meta.span], v[:batch, :, meta.start : meta.span]
         return k[meta.rows, :, meta.start : meta.span], v[meta.rows, :, meta.start : meta.span]

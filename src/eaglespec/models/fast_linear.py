@@ -10,11 +10,11 @@
    on how many rows are in the call, while MKL's fp32 GEMM changes the summation order with M, so
    plain decoding (1 token) and tree verification (17) give bit-identical logits. That property is
    checked on this machine before packing is used (`_row_invariant`); if it fails, or oneDNN is
-   missing, the plain `torch.nn.functional.linear` path stays. Packing is also timed against
-   F.linear per weight shape (`_packing_pays`): on a 2-vCPU Xeon with AMX, fp32 oneDNN adds ~10 us
-   per call at one row (bundled target, one-token step 3.1 ms all packed vs 2.6 ms chosen), so there
-   the faster kernel is kept. F.linear's rows differ by ~1e-6 between row counts in fp32, the same
-   order as attention's (models/precision.py checks the whole forward's gap at load).
+   missing, the plain `torch.nn.functional.linear` path stays. bf16 packing is also timed against
+   F.linear per weight shape (`_packing_pays`) and kept only where faster; fp32 is always packed, since
+   exact speculation needs every fp32 linear row-invariant (on a 2-vCPU Xeon with AMX fp32 oneDNN adds
+   ~10 us per call at one row: bundled target, one-token step 3.1 ms all packed vs 2.6 ms). F.linear's
+   rows differ by ~1e-6 between row counts in fp32 (models/precision.py checks the forward's gap at load).
 
 Packed weights are a second copy of the linear weights (the originals stay for state_dict, tied
 embeddings and the quantizer), so resident memory for those grows 2x on CPU.
@@ -57,7 +57,8 @@ def packing_available(weight: torch.Tensor) -> bool:
         and weight.dtype in _PACKABLE
         and torch.backends.mkldnn.is_available()
         and _row_invariant(weight.dtype)
-        and _packing_pays(tuple(weight.shape), weight.dtype)
+        # fp32: always, since exact speculation needs every linear row-invariant (models/row_attention.py)
+        and (weight.dtype == torch.float32 or _packing_pays(tuple(weight.shape), weight.dtype))
     )
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import KVCache, StepMeta
+from . import row_attention
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -119,6 +120,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: StepMeta) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
+        if cache.row_invariant and q.shape[2] <= row_attention.MAX_ROWS:  # a row's bits whatever the step holds
+            cache.write(layer, meta, k.to(cache.dtype), v.to(cache.dtype))
+            rows = torch.arange(q.shape[0]) if meta.rows is None else meta.rows
+            out = row_attention.attend(q.to(cache.dtype), cache.k[layer], cache.v[layer], rows, meta.start, meta.span,
+                                       meta.mask)  # fmt: skip
+            return self.out(out.to(x.dtype))
         # the cache's precision is the attention's: fp64 for quantized targets on CPU (precision.attention_dtype),
         # whose tree and plain steps must round attention outputs to the same fp32 bits
         keys, values = cache.write_and_read(layer, meta, k.to(cache.dtype), v.to(cache.dtype))

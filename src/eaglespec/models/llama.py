@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kv_cache import KVCache, StepMeta
 from .layers import MLP, Attention, RMSNorm, Rotary, rope_tables
-from .precision import attention_dtype
+from .precision import attention_dtype, row_invariant_attention
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -143,16 +143,19 @@ class LlamaTarget(nn.Module):
 
     def new_cache(self, num_slots: int, *, max_length: int | None = None, initial_capacity: int = 256):
         p = next(self.parameters())
+        exact = row_invariant_attention(p)
         return KVCache(
             self.cfg.num_layers,
             num_slots,
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
             max_length=max_length or self.cfg.max_position_embeddings,
-            dtype=attention_dtype(self, p.dtype, p.device),  # fp64 for quantized targets on CPU
+            # without the row-invariant kernel: fp64 for quantized targets on CPU (precision.attention_dtype)
+            dtype=torch.float32 if exact else attention_dtype(self, p.dtype, p.device),
             device=p.device,
             initial_capacity=initial_capacity,
             sliding_window=self.cfg.sliding_window,
+            row_invariant=exact,
         )
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

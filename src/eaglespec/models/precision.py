@@ -1,5 +1,6 @@
-"""Precision rules: the precision `--dtype auto` picks, the one a quantized target attends in, and the gap
-a target may have between a verification forward and a plain step.
+"""Precision rules: the precision `--dtype auto` picks, whether a target attends row-invariantly (and in what
+precision a quantized one attends where it cannot), and the gap a target may have between a verification
+forward and a plain step.
 
 `--dtype auto` (`choose_dtype`): the precision this device runs the model fastest in. `attention_dtype`:
 fp64 attention for a quantized target on CPU. `max_tree_plain_gap`: the gap allowed, as `tree_plain_gap`
@@ -95,8 +96,17 @@ def max_tree_plain_gap(target) -> float:
     return 0.0 if getattr(target, "quantization", None) is not None else MAX_TREE_PLAIN_GAP
 
 
+def row_invariant_attention(param: torch.Tensor) -> bool:
+    """Does a target with this parameter's precision and device attend with models/row_attention (each row's
+    bits independent of the step's other rows)? fp32 on CPU, where its kernel compiled."""
+    from . import row_attention
+
+    return param.device.type == "cpu" and param.dtype == torch.float32 and row_attention.available()
+
+
 def attention_dtype(model: torch.nn.Module, param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The precision a target attends in (and keeps its KV cache in): fp64 for a quantized target on CPU.
+    """The precision a target attends in (and keeps its KV cache in) where the row-invariant kernel
+    (models/row_attention.py, fp32, exact by construction) cannot run: fp64 for a quantized target on CPU.
     Why: its quantized layers round their inputs (to bf16, or to int8 steps for W8A8), so a last-bit
     difference in an attention output between a tree forward and a plain step (~1e-6 in fp32: the
     summation order changes with the row count) can cross a rounding step and change a token (measured:

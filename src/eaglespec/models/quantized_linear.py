@@ -18,8 +18,9 @@ Lossless by construction: plain steps and every verification forward of a quanti
 same layers, so speculative output is defined against -- and equals -- the quantized target's own.
 Every kernel here is row-invariant (a row's bits do not depend on the rows beside it), and the rest of
 the forward must be too, because these layers round their inputs (to bf16, or to int8 steps): a
-quantized target attends in fp64 on CPU (precision.attention_dtype), so each row of a verification
-forward equals the plain step bit for bit (tests/test_quantize.py checks every family). Found the hard
+quantized target on CPU attends with the row-invariant kernel (models/row_attention.py), or in fp64 where
+that cannot be compiled (precision.attention_dtype), so each row of a verification forward equals the plain
+step bit for bit (tests/test_quantize.py checks every family). Found the hard
 way: with fp32 attention, casting to bf16 around the matmuls changed greedy tokens (Qwen3 test) and W8A8
 changed 2 of 16 bundled prompts.
 """
