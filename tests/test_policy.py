@@ -305,7 +305,8 @@ def test_auto_precision_falls_back_to_fp32_when_verification_rounds_unlike_plain
     dtype, why = load_engine(path, dtype="auto").precision
     assert dtype == "fp32" and "differ from plain steps by 0.06" in why
     assert next(load_engine(path, dtype="auto").target.parameters()).dtype == torch.float32
-    assert load_engine(path, dtype="bf16").precision == ("bf16", "faster in this test")  # explicit: no check
+    dtype, why = load_engine(path, dtype="bf16").precision  # explicit: no check (the reason adds exactness)
+    assert dtype == "bf16" and why.startswith("faster in this test;") and "not exact by construction" in why
 
 
 def test_verification_cost_grows_with_context_and_trees_shrink():
