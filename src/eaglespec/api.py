@@ -34,7 +34,7 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     "w8a8" quantization of the decoder layers (models/quantize.py), applied before that check."""
     from .models.fast_linear import prepare_for_inference
     from .models.io import read_config
-    from .models.precision import choose_dtype, max_tree_plain_gap, tree_plain_gap
+    from .models.precision import choose_dtype, exactness_note, max_tree_plain_gap, tree_plain_gap
     from .models.quantize import apply_quantize, parse_quantize
 
     parse_quantize(quantize)  # bad input fails before anything loads
@@ -57,17 +57,6 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
             tgt = load(chosen)
     return tgt, chosen, why + exactness_note(next(tgt.parameters()))
 
-
-def exactness_note(param) -> str:
-    """Whether a PyTorch target's verification rows have the bits of one-token steps by construction."""
-    from .models import row_attention
-    from .models.precision import row_invariant_attention
-
-    if row_invariant_attention(param):
-        return "; verification rows exact by construction (row-invariant attention and linears)"
-    kind = f"{str(param.dtype).removeprefix('torch.')} on {param.device.type}"
-    why = row_attention.unavailable_reason() if kind == "float32 on cpu" else None
-    return f"; verification rows not exact by construction ({why or 'no row-invariant attention for ' + kind})"
 
 
 RUNTIMES = ("auto", "torch", "llamacpp")

@@ -126,7 +126,8 @@ class Attention(nn.Module):
             out = row_attention.attend(q.to(cache.dtype), cache.k[layer], cache.v[layer], rows, meta.start, meta.span,
                                        meta.mask)  # fmt: skip
             return self.out(out.to(x.dtype))
-        # the cache's precision is the attention's: fp64 for quantized targets on CPU (precision.attention_dtype),
+        # SDPA (no kernel, or a long prefill chunk). The cache's precision is the attention's: without the
+        # kernel fp64 for quantized targets on CPU (precision.attention_dtype),
         # whose tree and plain steps must round attention outputs to the same fp32 bits
         keys, values = cache.write_and_read(layer, meta, k.to(cache.dtype), v.to(cache.dtype))
         out = F.scaled_dot_product_attention(

@@ -2,9 +2,11 @@
 precision a quantized one attends where it cannot), and the gap a target may have between a verification
 forward and a plain step.
 
-`--dtype auto` (`choose_dtype`): the precision this device runs the model fastest in. `attention_dtype`:
-fp64 attention for a quantized target on CPU. `max_tree_plain_gap`: the gap allowed, as `tree_plain_gap`
-measures it.
+`--dtype auto` (`choose_dtype`): the precision this device runs the model fastest in.
+`row_invariant_attention`: fp32 targets on CPU attend with models/row_attention (exact by construction);
+`attention_dtype`: where that kernel cannot run, fp64 attention for a quantized target on CPU.
+`max_tree_plain_gap`: the gap allowed, as `tree_plain_gap` measures it. `exactness_note`: what the
+precision's reason says about exactness.
 
 Target and drafter always share the chosen precision, so plain and speculative decoding compute
 their logits with the same kernels' precision and greedy outputs stay identical at that precision.
@@ -102,6 +104,18 @@ def row_invariant_attention(param: torch.Tensor) -> bool:
     from . import row_attention
 
     return param.device.type == "cpu" and param.dtype == torch.float32 and row_attention.available()
+
+
+def exactness_note(param: torch.Tensor) -> str:
+    """What `--dtype` reasons add: whether a PyTorch target's verification rows have the bits of one-token
+    steps by construction, and if not, why."""
+    from . import row_attention
+
+    if row_invariant_attention(param):
+        return "; verification rows exact by construction (row-invariant attention and linears)"
+    kind = f"{str(param.dtype).removeprefix('torch.')} on {param.device.type}"
+    why = row_attention.unavailable_reason() if kind == "float32 on cpu" else None
+    return f"; verification rows not exact by construction ({why or 'no row-invariant attention for ' + kind})"
 
 
 def attention_dtype(model: torch.nn.Module, param_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -36,11 +36,7 @@ def _load() -> tuple[object | None, str | None]:
     """(extension, None), or (None, why not)."""
     if os.environ.get("EAGLESPEC_ROW_ATTENTION", "1") == "0":
         return None, "EAGLESPEC_ROW_ATTENTION=0"
-    try:
-        from torch.utils.cpp_extension import load
-    except ImportError as e:  # pragma: no cover - part of torch
-        return None, f"torch.utils.cpp_extension: {e}"
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     name = f"eaglespec_row_attention_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
     if not any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so")):
