@@ -169,3 +169,16 @@ def test_pending_drafter_pairs_keep_each_rows_latest_in_order():
     short = BatchState(torch.tensor([5]), torch.tensor([[5]]), torch.zeros(1, 1, 1), torch.tensor([1]))
     short = short.with_pending(torch.tensor([6]), torch.ones(1, 1), keep=3)
     assert short.ids.tolist() == [[5, 6]] and short.cnt.tolist() == [2]
+
+
+def test_generate_reuses_the_last_calls_caches_emptied(engine):
+    g = torch.Generator().manual_seed(7)
+    requests = [Request(torch.randint(0, 96, (n,), generator=g).tolist(), 12) for n in (9, 30)]
+    engine.core = None  # a fresh start: the first call makes its caches
+    first = [engine.generate([r]).results[0].output_ids for r in requests]
+    caches = (engine.core.tcache, engine.core.dcache)
+    again = [engine.generate([r]).results[0].output_ids for r in reversed(requests)][::-1]
+    assert again == first  # nothing of the earlier requests leaks into the reused caches
+    assert (engine.core.tcache, engine.core.dcache) == caches
+    engine.generate(requests, batch_size=2)
+    assert engine.core.tcache is not caches[0]  # another slot count: new caches

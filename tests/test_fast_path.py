@@ -121,23 +121,23 @@ def test_policy_switching_mid_request_keeps_output(tmp_path, monkeypatch):
     assert set(eng.policies._by_batch) == {1, 2, 3}
 
 
-def test_server_start_prepares_every_batch_bucket_and_recalibrates_once(tmp_path, monkeypatch):
+def test_server_start_prepares_every_batch_bucket_and_rescales_a_stale_calibration_once(tmp_path, monkeypatch):
     target, _, _ = tiny_target(tmp_path, "llama")
     eng = Engine(target, random_drafter(target), mode="auto")
     assert eng.prepare_policies(5) == [1, 2, 4, 5]
     policies = eng.policies._by_batch
     assert set(policies) == {1, 2, 4, 5} and all(p.costs.batch == b for b, p in policies.items())
-    calls = []
     import eaglespec.speculation.policies as engine_module
 
-    real = engine_module.load_or_calibrate
-    monkeypatch.setattr(engine_module, "load_or_calibrate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(engine_module, "load_or_calibrate", lambda *a, **k: pytest.fail("measured inside a step"))
     policy = eng.policies._by_batch[2]
-    for _ in range(2):  # persistently 20x off: recalibrate the first time only
+    calibrated = policy.costs.verify_cost(1), policy.costs.draft_cost(2)
+    for _ in range(2):  # persistently 20x off: rescaled the first time only, nothing measured again
         for _ in range(20):
             policy.observe(False, 2, 20 * policy.costs.verify_cost(1), rows=2)
         assert eng.policies.for_batch(2) is policy
-    assert calls == [{"force": True}]
+    assert policy.costs.verify_cost(1) == pytest.approx(20 * calibrated[0])
+    assert policy.costs.draft_cost(2) == pytest.approx(20 * calibrated[1])
 
 
 def test_confidence_truncation_is_lossless_and_drafts_less(tmp_path):

@@ -43,7 +43,7 @@ class EngineCore:
                  tokenizer=None, max_length: int, prefill_chunk: int, max_num_seqs: int = 1,
                  max_num_batched_tokens: int | None = None, kv_budget_tokens: int | None = None,
                  default_params: SamplingParams = SamplingParams(), seed: int | None = None,
-                 policy_batch: int | None = None):  # fmt: skip
+                 policy_batch: int | None = None, caches: tuple | None = None):  # fmt: skip
         self.target, self.drafter, self.proposer, self.spec = target, drafter, proposer, spec
         self.policies = policies
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
@@ -57,8 +57,10 @@ class EngineCore:
         self.default_params = default_params
         self.policy_batch = policy_batch  # None: the policy of the running batch size's bucket
         self.generator = make_generator(seed, self.device)
-        self.tcache = target.new_cache(max_num_seqs, max_length=max_length)
-        self.dcache = drafter.new_cache(max_num_seqs, max_length=max_length + spec.tree_slack) if drafter else None
+        if caches is None:  # caches: (target's, drafter's) of an idle core with these sizes, emptied (Engine.generate)
+            caches = (target.new_cache(max_num_seqs, max_length=max_length),
+                      drafter.new_cache(max_num_seqs, max_length=max_length + spec.tree_slack) if drafter else None)
+        self.tcache, self.dcache = caches
         self.stats = SpecStats()  # the core's own phase times (not summed over rows)
         self.state: BatchState | None = None  # of scheduler.running, row for row
         self._sampling: BatchSampling | None = None  # of scheduler.running, rebuilt when it changes

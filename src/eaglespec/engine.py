@@ -97,12 +97,29 @@ class Engine:
 
     def new_core(self, *, max_num_seqs: int = 1, max_num_batched_tokens: int | None = None,
                  kv_budget_tokens: int | None = None, default_params: SamplingParams = SamplingParams(),
-                 seed: int | None = None, policy_batch: int | None = None) -> EngineCore:  # fmt: skip
-        """A step-level core on this engine's models, config and policies (the server keeps one)."""
+                 seed: int | None = None, policy_batch: int | None = None,
+                 caches: tuple | None = None) -> EngineCore:  # fmt: skip
+        """A step-level core on this engine's models, config and policies (the server keeps one); caches:
+        emptied (target, drafter) caches with max_num_seqs slots to reuse."""
         return EngineCore(self.target, self.drafter, self.proposer, self.spec, self.policies, tokenizer=self.tokenizer,
                           max_length=self.max_length, prefill_chunk=self.prefill_chunk, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, kv_budget_tokens=kv_budget_tokens,
-                          default_params=default_params, seed=seed, policy_batch=policy_batch)  # fmt: skip
+                          default_params=default_params, seed=seed, policy_batch=policy_batch,
+                          caches=caches)  # fmt: skip
+
+    def _idle_caches(self, num_slots: int) -> tuple | None:
+        """The last generate call's caches, emptied, when they have num_slots slots and the same drafter:
+        a llama.cpp context costs ~0.25 s to create, a fresh one per call showed in every request's latency.
+        Setting `core` to None frees them instead."""
+        core, self.core = self.core, None
+        if (core is None or core.has_work or core.drafter is not self.drafter or core.tcache.num_slots != num_slots
+                or core.spec.tree_slack != self.spec.tree_slack):
+            return None
+        caches = (core.tcache, core.dcache)
+        for cache in caches:
+            if cache is not None:
+                cache.reset()
+        return caches
 
     # -- public API ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -123,7 +140,8 @@ class Engine:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         core = self.new_core(max_num_seqs=batch_size, max_num_batched_tokens=self.prefill_chunk * batch_size,
                              default_params=replace(params, seed=None), seed=params.seed,
-                             policy_batch=min(batch_size, len(requests)) or 1)  # fmt: skip
+                             policy_batch=min(batch_size, len(requests)) or 1,
+                             caches=self._idle_caches(batch_size))  # fmt: skip
         for i, r in enumerate(requests):
             try:
                 core.validate(r)

@@ -79,6 +79,12 @@ class StepCosts:
     def draft_cost(self, k: int) -> float:
         return _interpolate(self.draft, k)
 
+    def scaled(self, factor: float) -> StepCosts:
+        """Every cost times factor (a machine measured to run that much slower or faster than calibrated)."""
+        times = lambda table: {n: s * factor for n, s in table.items()}  # noqa: E731
+        return StepCosts(self.batch, times(self.verify), times(self.draft), self.long and times(self.long),
+                         self.long_context, self.context)  # fmt: skip
+
     @property
     def max_verify_tokens(self) -> int:
         return max(self.verify)

@@ -15,18 +15,15 @@ class PolicyBook:
 
     def for_batch(self, batch: int, adaptive: bool | None = None) -> Policy | None:
         """The policy of a batch bucket (None without a drafter); auto policies load or measure their
-        step costs on first use (speculation/costs.py) and recalibrate once if they prove stale."""
+        step costs on first use (speculation/costs.py) and rescale them once if they prove stale."""
         if self.drafter is None or not self.spec.speculates:
             return None
         policy = self._by_batch.get(batch)
         if policy is None:
             shape = self.spec.shape
             if self.spec.mode == "auto":
-                def calibrate(force: bool = False, batch=batch):
-                    return load_or_calibrate(self.target, self.drafter, batch, force=force)
-
-                policy = Policy(calibrate(), widths=AUTO_WIDTHS, max_depth=shape.depth, max_nodes=AUTO_MAX_NODES,
-                                calibrate=calibrate)  # fmt: skip
+                policy = Policy(load_or_calibrate(self.target, self.drafter, batch), widths=AUTO_WIDTHS,
+                                max_depth=shape.depth, max_nodes=AUTO_MAX_NODES)  # fmt: skip
             else:
                 policy = Policy(None, widths=(shape.top_k,), max_depth=shape.depth)
             self._by_batch[batch] = policy

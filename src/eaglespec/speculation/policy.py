@@ -30,7 +30,6 @@ Only what is proposed changes, never what is accepted, so every decision here is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -161,15 +160,12 @@ class Policy:
     """Per batch size: speculation on/off, drafting width and per-step depth/node choices.
 
     costs None: a fixed shape (the caller's); only the on/off decision is made, from measured rates.
-    adaptive False: always speculate (measurements of a forced shape). calibrate: measures the costs
-    again (recheck_calibration)."""
+    adaptive False: always speculate (measurements of a forced shape)."""
 
     def __init__(self, costs: StepCosts | None, *, widths=(1, 2, 4), max_depth: int = 8, max_nodes: int = 64,
                  adaptive: bool = True, acceptance: AcceptanceModel | None = None,
-                 judge_after: int = 3, probe_every: int = 48, alpha: float = 0.3,
-                 calibrate: Callable[..., StepCosts] | None = None):  # fmt: skip
+                 judge_after: int = 3, probe_every: int = 48, alpha: float = 0.3):  # fmt: skip
         self.costs = costs
-        self._calibrate = calibrate  # calibrate(force=True) measures the costs again
         if costs is not None:
             widths = tuple(w for w in widths if costs.draft_cost(w) < math.inf) or (1,)
         self.widths = tuple(widths)
@@ -196,7 +192,7 @@ class Policy:
         self.overhead_spec = 0.0
         self.overhead_plain = 0.0
         self.ratios: list[float] = []  # measured / calibrated step time, to notice a stale calibration
-        self.recalibrated = False  # at most once: a machine that stays far from any calibration is busy
+        self.rescaled = False  # at most once: a machine that stays far from any calibration is busy
 
     # -- before a step ---------------------------------------------------------------------------
     @property
@@ -288,21 +284,27 @@ class Policy:
         return self.costs.draft_cost(1) + max(depth - 1, 0) * self.costs.draft_cost(width) + \
             self.costs.verify_cost(nodes + 1)
 
-    def calibration_suspect(self) -> bool:
-        """True when measured steps are persistently far from the calibration (it was taken on a busy
-        machine, or the machine changed): the engine then recalibrates."""
+    def _stale_ratio(self) -> float | None:
+        """The median measured / calibrated step time of the last 32 steps, when it is persistently far
+        from 1 (the calibration was taken on a busy machine, or the machine changed); else None."""
         if len(self.ratios) < 16:
-            return False
+            return None
         mid = sorted(self.ratios[-32:])[len(self.ratios[-32:]) // 2]
-        return not 0.5 <= mid <= 2.0
+        return None if 0.5 <= mid <= 2.0 else mid
+
+    def calibration_suspect(self) -> bool:
+        return self._stale_ratio() is not None
 
     def recheck_calibration(self) -> None:
-        """Measure the costs again, once, when measured steps stay far from the calibration."""
-        if self.costs is None or self._calibrate is None or self.recalibrated or not self.calibration_suspect():
+        """Once, when measured steps stay far from the calibration: scale every cost by their median
+        ratio. Not measured again: that stalls every running request (about a minute through llama.cpp,
+        whose calibration prefills a 4K context, measured inside a request's step)."""
+        ratio = None if self.costs is None or self.rescaled else self._stale_ratio()
+        if ratio is None:
             return
-        self.costs = self._calibrate(force=True)
+        self.costs = self.costs.scaled(ratio)
         self.ratios.clear()
-        self.recalibrated = True
+        self.rescaled = True
 
     # -- after a step ----------------------------------------------------------------------------
     def observe(self, speculated: bool, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None,

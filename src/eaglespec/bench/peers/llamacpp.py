@@ -260,7 +260,8 @@ def llamacpp_methods(kinds, target_dir, drafters, stop_ids, *, threads: int, dty
     draft_type = outtype  # the EAGLE-3 drafter's GGUF type
     if gguf is not None:
         target_gguf, outtype, requantize = Path(gguf), Path(gguf).name, None
-        not_lossless = not_lossless or "the same GGUF as our llama.cpp runtime, with f32 K/V (ours: q8_0/f16)"
+        kv = "f16"  # llama-server's default: the speed a user of that file gets
+        not_lossless = not_lossless or "the same GGUF as our llama.cpp runtime, with f16 K/V (ours: q8_0/f16)"
     else:
         target_gguf = convert_target(root, source_dir or target_dir, outtype)
     if requantize:
