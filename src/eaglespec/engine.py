@@ -109,7 +109,7 @@ class Engine:
 
     def _idle_caches(self, num_slots: int) -> tuple | None:
         """The last generate call's caches, emptied, when they have num_slots slots and the same drafter:
-        a llama.cpp context costs ~0.25 s to create, a fresh one per call showed in every request's latency.
+        a llama.cpp context took 0.3-6 s to create here, a fresh one per call showed in every request's latency.
         Setting `core` to None frees them instead."""
         core, self.core = self.core, None
         if (core is None or core.has_work or core.drafter is not self.drafter or core.tcache.num_slots != num_slots

@@ -81,7 +81,9 @@ class StepCosts:
 
     def scaled(self, factor: float) -> StepCosts:
         """Every cost times factor (a machine measured to run that much slower or faster than calibrated)."""
-        times = lambda table: {n: s * factor for n, s in table.items()}  # noqa: E731
+        def times(table):
+            return {n: s * factor for n, s in table.items()}
+
         return StepCosts(self.batch, times(self.verify), times(self.draft), self.long and times(self.long),
                          self.long_context, self.context)  # fmt: skip
 
@@ -148,14 +150,13 @@ def cache_key(target, drafter, batch: int) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None, force: bool = False) -> StepCosts:
-    """Cached costs for this machine/model/precision/batch, measured (a few seconds) when missing
-    or when `force` (the policy found the cached ones far from what it measures). `path`: another
-    cache file than machine.cache_dir()'s CACHE."""
+def load_or_calibrate(target, drafter, batch: int, *, path: Path | None = None) -> StepCosts:
+    """Cached costs for this machine/model/precision/batch, measured when missing (a few seconds; about a
+    minute through llama.cpp). `path`: another cache file than machine.cache_dir()'s CACHE."""
     name = path or CACHE
     key = cache_key(target, drafter, batch)
     entry = read_cached(name, what="calibration").get(key)
-    if entry is not None and not force:
+    if entry is not None:
         try:
             return StepCosts.from_json(entry)
         except (KeyError, TypeError, ValueError) as e:

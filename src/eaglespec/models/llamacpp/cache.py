@@ -64,12 +64,16 @@ class _BatchArrays:
         self.seq_ptrs = (C.POINTER(library.seq_t) * capacity)(
             *[C.cast(base + i * seqs_per_token * 4, C.POINTER(library.seq_t)) for i in range(capacity)])
 
-    def struct(self, n: int) -> library.Batch:
         def ptr(a, t):
             return a.ctypes.data_as(C.POINTER(t))
 
-        return library.Batch(n, ptr(self.token, library.token_t), None, ptr(self.pos, library.pos_t),
-                             ptr(self.n_seq, C.c_int32), self.seq_ptrs, ptr(self.logits, C.c_int8))  # fmt: skip
+        # the arrays never move: one struct, whose n_tokens each step sets (saves ~20 us of ctypes casts a step)
+        self._batch = library.Batch(0, ptr(self.token, library.token_t), None, ptr(self.pos, library.pos_t),
+                                    ptr(self.n_seq, C.c_int32), self.seq_ptrs, ptr(self.logits, C.c_int8))  # fmt: skip
+
+    def struct(self, n: int) -> library.Batch:
+        self._batch.n_tokens = n
+        return self._batch
 
 
 class FixedSlots:
