@@ -58,7 +58,6 @@ def load_target_for_speculation(target, *, device: str = "cpu", dtype: str = "au
     return tgt, chosen, why + exactness_note(next(tgt.parameters()))
 
 
-
 RUNTIMES = ("auto", "torch", "llamacpp")
 LLAMACPP_OUTTYPE = {"auto": "f32", "fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # --dtype -> GGUF weights
 LLAMACPP_QUANT = {"int8": "q8_0", "int4": "q4_0"}  # --quantize -> GGUF type (w8a8: torch only)

@@ -126,9 +126,9 @@ class Attention(nn.Module):
             out = row_attention.attend(q.to(cache.dtype), cache.k[layer], cache.v[layer], rows, meta.start, meta.span,
                                        meta.mask)  # fmt: skip
             return self.out(out.to(x.dtype))
-        # SDPA (no kernel, or a long prefill chunk). The cache's precision is the attention's: without the
-        # kernel fp64 for quantized targets on CPU (precision.attention_dtype),
-        # whose tree and plain steps must round attention outputs to the same fp32 bits
+        # SDPA (no kernel, or a long prefill chunk). The cache's precision is the attention's: without the kernel,
+        # fp64 for quantized targets on CPU (precision.attention_dtype), whose tree and plain steps must round
+        # attention outputs to the same fp32 bits
         keys, values = cache.write_and_read(layer, meta, k.to(cache.dtype), v.to(cache.dtype))
         out = F.scaled_dot_product_attention(
             q.to(cache.dtype), keys, values, attn_mask=meta.mask, enable_gqa=self.num_heads != self.num_kv_heads
