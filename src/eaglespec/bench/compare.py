@@ -62,18 +62,30 @@ def build_prompts(tokenizer, *, conversations: int | None = None, formats=tuple(
 
 
 def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAPES), max_new_tokens: int = 32,
-                    dtype: str = "fp32") -> dict:  # fmt: skip
+                    dtype: str = "fp32", records: dict | None = None) -> dict:  # fmt: skip
     """{shape: {prompt id: [drafts, accepted, [accepted per position ...], output ids, copied draft tokens,
-    copied tokens accepted]}} for one drafter."""
+    copied tokens accepted]}} for one drafter. records: a dict to replay the target from (bench/replay.py;
+    filled with each prompt's record on first use and shared across drafters), None to run the target."""
     from ..api import generate, load_engine
+    from ..engine import Engine
+    from .replay import MARGIN, ReplayTarget, record
 
     result = {}
     for shape in shapes:
         mode, k, tree, ngram = SHAPES[shape]
         engine = load_engine(target, drafter, mode=mode, chain_k=k or 4, tree=tree, adaptive=False, dtype=dtype,
                              ngram_tokens=ngram)  # fmt: skip
+        replay = None
+        if records is not None:
+            replay = ReplayTarget(engine.target)
+            engine = Engine(replay, engine.drafter, engine.spec, tokenizer=engine.tokenizer)
         rows = {}
         for p in prompts:
+            if replay is not None:
+                key = (p.id, tuple(replay.aux_layers))
+                if key not in records:
+                    records[key] = record(replay.base, p.ids, max_new_tokens + MARGIN)
+                replay.play(records[key])
             out = generate(engine, [p.ids], max_new_tokens=max_new_tokens)
             s = out.stats
             rows[p.id] = [s.drafts, s.accepted, list(s.accepted_per_pos), out.results[0].output_ids,
@@ -82,18 +94,22 @@ def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAP
     return result
 
 
-def run(target, variants: dict[str, list[str]], out_dir, prompts: list[Prompt], **kw) -> Path:
-    """Measure every drafter of every variant (resumable: one JSON per drafter, kept when present)."""
+def run(target, variants: dict[str, list[str]], out_dir, prompts: list[Prompt], *, replay: bool = False,
+        **kw) -> Path:  # fmt: skip
+    """Measure every drafter of every variant (resumable: one JSON per drafter, kept when present); replay:
+    the target's greedy continuations are recorded once and replayed for every drafter (bench/replay.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prompts.json").write_text(json.dumps([[p.id, p.condition, len(p.ids)] for p in prompts]))
+    records = {} if replay else None
     for name, drafters in variants.items():
         for d in drafters:
             path = out / f"{name}--{Path(d).parent.name if Path(d).name == 'final' else Path(d).name}.json"
             if path.is_file():
                 continue
             t0 = time.time()
-            rec = {"variant": name, "drafter": str(d), "measured": measure_drafter(target, d, prompts, **kw)}
+            rec = {"variant": name, "drafter": str(d), "replay": replay,
+                   "measured": measure_drafter(target, d, prompts, records=records, **kw)}  # fmt: skip
             rec["seconds"] = round(time.time() - t0, 1)
             path.write_text(json.dumps(rec))
     return out
