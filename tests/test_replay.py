@@ -4,6 +4,7 @@ acceptance per position and output on every prompt and shape, on the bundled 8.4
 from __future__ import annotations
 
 import pytest
+import torch
 
 from eaglespec.settings import DEFAULT_DRAFTERS, TINY_TARGET, default_models_dir
 
@@ -26,15 +27,22 @@ def test_replayed_acceptance_equals_acceptance_through_the_target():
     assert sum(row[1] for rows in real.values() for row in rows.values()) > 0  # something was accepted
 
 
-def test_a_record_for_other_aux_layers_is_refused():
-    from eaglespec.bench.replay import ReplayTarget, record
+def test_records_are_kept_on_disk_and_refused_for_another_prompt_or_aux_layers(tmp_path):
+    from eaglespec.bench.replay import RecordStore, ReplayTarget, record
     from eaglespec.models.checkpoint import load_target
 
     target = load_target(TARGET)
     rec = record(target, [1, 2, 3, 4], 4)
     assert rec.ids.shape[0] == 8 and rec.aux.shape[0] == 8
+    RecordStore(tmp_path)[("p", 4)] = rec
+    again = RecordStore(tmp_path)  # another process
+    assert ("p", 4) in again and ("p", 5) not in again
+    assert torch.equal(again[("p", 4)].ids, rec.ids) and torch.equal(again[("p", 4)].aux, rec.aux)
+    assert not list(tmp_path.glob("*.tmp"))
     replay = ReplayTarget(target)
-    replay.play(rec)
+    replay.play(again[("p", 4)], [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="another prompt"):
+        replay.play(rec, [1, 2, 3, 5])
     target.set_aux_layers((0, 1, 2))
     with pytest.raises(ValueError, match="record again"):
         replay.play(rec)

@@ -2,7 +2,7 @@
 
     python scripts/evidence/compare_drafters.py --runs runs/e14 --depth 7 --out docs/eagle31/d7 \
         [--variants e31,e3,fcnorm,normout] [--baseline e3] [--conversations 8] [--max-new-tokens 32] \
-        [--shapes chain7,tree,tree7] [--replay] [--summarize-only]
+        [--shapes chain7,tree,tree7] [--replay [--records DIR]] [--draft-window N] [--summarize-only]
 
 Drafters are found as RUNS/d<depth>-<variant>-s<seed>/final, or given with --variant NAME=DIR[,DIR...].
 Measurements are kept per drafter in OUT
@@ -78,6 +78,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--replicates", type=int, default=2000)
     ap.add_argument("--summarize-only", action="store_true")
+    ap.add_argument("--records", help="with --replay: keep the target's records in this folder (reused by "
+                    "another process or a resumed run)")  # fmt: skip
+    ap.add_argument("--draft-window", type=int, help="the drafters' attention window (default: their own; 0: none)")
     ap.add_argument("--replay", action="store_true", help="record the target's greedy continuations once and "
                     "replay them for every drafter (bench/replay.py): tau for drafter forwards only")  # fmt: skip
     ap.add_argument("--shape-baseline", help="also report each shape's tau ratio to this shape, per variant "
@@ -102,7 +105,7 @@ def main() -> int:
         print(f"[compare] {len(prompts)} prompts; variants {({v: len(d) for v, d in variants.items()})}",
               file=sys.stderr)  # fmt: skip
         run(target, variants, out, prompts, shapes=tuple(args.shapes.split(",")), max_new_tokens=args.max_new_tokens,
-            replay=args.replay)
+            replay=args.replay, records_dir=args.records, draft_window=args.draft_window)
     report = summarize_run(out, args.baseline, replicates=args.replicates)
     text = markdown(report, args.baseline)
     if args.shape_baseline:

@@ -62,10 +62,12 @@ def build_prompts(tokenizer, *, conversations: int | None = None, formats=tuple(
 
 
 def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAPES), max_new_tokens: int = 32,
-                    dtype: str = "fp32", records: dict | None = None) -> dict:  # fmt: skip
+                    dtype: str = "fp32", records: dict | None = None,
+                    draft_window: int | None = None) -> dict:  # fmt: skip
     """{shape: {prompt id: [drafts, accepted, [accepted per position ...], output ids, copied draft tokens,
     copied tokens accepted]}} for one drafter. records: a dict to replay the target from (bench/replay.py;
-    filled with each prompt's record on first use and shared across drafters), None to run the target."""
+    filled with each prompt's record on first use and shared across drafters), None to run the target;
+    draft_window: the drafter's attention window (None: its own, 0: none)."""
     from ..api import generate, load_engine
     from ..engine import Engine
     from .replay import MARGIN, ReplayTarget, record
@@ -74,7 +76,7 @@ def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAP
     for shape in shapes:
         mode, k, tree, ngram = SHAPES[shape]
         engine = load_engine(target, drafter, mode=mode, chain_k=k or 4, tree=tree, adaptive=False, dtype=dtype,
-                             ngram_tokens=ngram)  # fmt: skip
+                             ngram_tokens=ngram, draft_window=draft_window)  # fmt: skip
         replay = None
         if records is not None:
             replay = ReplayTarget(engine.target)
@@ -82,10 +84,10 @@ def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAP
         rows = {}
         for p in prompts:
             if replay is not None:
-                key = (p.id, tuple(replay.aux_layers))
+                key = (str(target), p.id, len(p.ids), max_new_tokens + MARGIN, tuple(replay.aux_layers))
                 if key not in records:
                     records[key] = record(replay.base, p.ids, max_new_tokens + MARGIN)
-                replay.play(records[key])
+                replay.play(records[key], p.ids)
             out = generate(engine, [p.ids], max_new_tokens=max_new_tokens)
             s = out.stats
             rows[p.id] = [s.drafts, s.accepted, list(s.accepted_per_pos), out.results[0].output_ids,
@@ -95,13 +97,16 @@ def measure_drafter(target, drafter, prompts: list[Prompt], *, shapes=tuple(SHAP
 
 
 def run(target, variants: dict[str, list[str]], out_dir, prompts: list[Prompt], *, replay: bool = False,
-        **kw) -> Path:  # fmt: skip
+        records_dir=None, **kw) -> Path:  # fmt: skip
     """Measure every drafter of every variant (resumable: one JSON per drafter, kept when present); replay:
-    the target's greedy continuations are recorded once and replayed for every drafter (bench/replay.py)."""
+    the target's greedy continuations are recorded once and replayed for every drafter (bench/replay.py),
+    kept in records_dir when given (shared by processes measuring other drafters, and by a resumed run)."""
+    from .replay import RecordStore
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prompts.json").write_text(json.dumps([[p.id, p.condition, len(p.ids)] for p in prompts]))
-    records = {} if replay else None
+    records = (RecordStore(records_dir) if records_dir else {}) if replay else None
     for name, drafters in variants.items():
         for d in drafters:
             path = out / f"{name}--{Path(d).parent.name if Path(d).name == 'final' else Path(d).name}.json"

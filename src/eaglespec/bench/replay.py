@@ -13,7 +13,10 @@ prompt + continuation rather than from verification steps, so they may differ in
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +25,7 @@ from ..engine import Engine
 from ..kv_cache import KVCache, causal_mask
 from ..request import Request
 
-MARGIN = 24  # tokens recorded past max_new_tokens: a tree may accept that far past the last kept token
+MARGIN = 16  # tokens recorded past max_new_tokens: a draft (tree depth or copied chain, <= 15) may be accepted past it
 
 
 @dataclass
@@ -50,6 +53,39 @@ def record(target, prompt_ids: list[int], new_tokens: int, *, chunk: int = 512) 
     return Record(torch.tensor(ids), torch.cat(parts), tuple(target.aux_layers))
 
 
+class RecordStore(dict):
+    """Records by key, kept as safetensors files in `folder` too, so that another process (or a resumed
+    run) measuring more drafters on the same prompts records nothing again."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key) -> Path:
+        return self.folder / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24] + ".safetensors")
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or self._path(key).is_file()
+
+    def __getitem__(self, key) -> Record:
+        if not super().__contains__(key):
+            from safetensors.torch import load_file
+
+            t = load_file(self._path(key))
+            super().__setitem__(key, Record(t["ids"], t["aux"], tuple(t["aux_layers"].tolist())))
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, rec: Record) -> None:
+        from safetensors.torch import save_file
+
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")  # written whole, then renamed: a killed run leaves no half record
+        save_file({"ids": rec.ids, "aux": rec.aux.contiguous(), "aux_layers": torch.tensor(rec.aux_layers)}, tmp)
+        tmp.replace(path)
+        super().__setitem__(key, rec)
+
+
 class ReplayTarget(nn.Module):
     """The target protocol of models/llama.LlamaTarget answered from a Record (set with `play`), one
     sequence at a time. `forward` returns each row's position as its hidden state; `logits` turns a
@@ -71,7 +107,9 @@ class ReplayTarget(nn.Module):
     def set_aux_layers(self, aux_layers) -> None:
         self.base.set_aux_layers(aux_layers)
 
-    def play(self, rec: Record) -> None:
+    def play(self, rec: Record, prompt_ids: list[int] | None = None) -> None:
+        if prompt_ids is not None and rec.ids[: len(prompt_ids)].tolist() != list(prompt_ids):
+            raise ValueError("the record was made for another prompt: delete the records folder and record again")
         if rec.aux_layers != tuple(self.base.aux_layers):
             raise ValueError(f"the record holds aux layers {rec.aux_layers}, the drafter reads "
                              f"{tuple(self.base.aux_layers)}: record again for this drafter")  # fmt: skip
