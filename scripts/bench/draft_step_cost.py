@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -> float:
+    from eaglespec.speculation.config import TreeShape
+    from eaglespec.speculation.proposer import FixedShape
+
     cache = drafter.new_cache(1, length + 64, initial_capacity=length + 64)
     for t in cache.k + cache.v:
         t.normal_()
@@ -42,8 +45,7 @@ def step_cost(proposer, drafter, length: int, repeats: int, accepted: int = 3) -
 
 def main():
     from eaglespec.models.checkpoint import load_drafter, load_target
-    from eaglespec.speculation.config import TreeShape
-    from eaglespec.speculation.proposer import EagleProposer, FixedShape
+    from eaglespec.speculation.proposer import EagleProposer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT / "models/target"))
