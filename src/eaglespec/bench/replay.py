@@ -1,6 +1,6 @@
 """Acceptance by replay: the target's greedy continuation of a prompt, computed once, stands in for the
-target while drafters are measured, so a drafter's tau costs drafter forwards only (a 32-row tree
-verification of SmolLM2 at one thread costs tens of drafter steps).
+target while drafters are measured, so a drafter's tau costs drafter forwards only (SmolLM2, 122 prompts x 3
+shapes, one thread: ~370 s a drafter instead of ~1,900 s through the target; greedy only).
 
 Why it is exact for greedy decoding: a drafted token is accepted only when it equals the target's argmax
 after an already accepted prefix, and every accepted prefix lies on the target's own greedy sequence. So
