@@ -13,7 +13,7 @@ import torch
 from eaglespec.models.fast_linear import kernel_signature, prepare_for_inference
 from eaglespec.models.precision import choose_dtype
 from eaglespec.speculation import costs as costs_mod
-from eaglespec.speculation.costs import StepCosts, cache_key, load_or_calibrate
+from eaglespec.speculation.costs import StepCosts, cache_key, load_or_calibrate, tightened
 from eaglespec.speculation.policy import AcceptanceModel, Policy, best_node_count, speculation_ceiling
 from helpers import random_drafter, tiny_target
 
@@ -207,6 +207,49 @@ def test_calibration_cache_reused_keyed_and_rebuilt(pair, tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match="corrupt calibration entry"):
         fixed = load_or_calibrate(target, drafter, 1, path=path)
     assert min(fixed.verify.values()) > 0
+
+
+def test_one_slow_measurement_cannot_make_plain_steps_look_dear():
+    """This machine's cache once held a 16-row plain step at 251 ms beside 225 ms for 2 tokens a row and
+    128 ms for 32 rows: the policy then saw speculation as nearly free in 9-16-row batches and drafted
+    there, losing 3% of serving throughput. Tightened, no cost exceeds one at more tokens or more rows."""
+    grid = (1, 2, 3, 4, 6, 8)
+    measured = {
+        16: StepCosts(16, {1: 0.251, 2: 0.225, 3: 0.230, 4: 0.240, 6: 0.300, 8: 0.380}, {1: 0.02, 2: 0.03, 4: 0.02, 8: 0.05}),
+        32: StepCosts(32, {n: 0.128 * n for n in grid}, {1: 0.03, 2: 0.04, 4: 0.06, 8: 0.09}),
+        64: StepCosts(64, {n: 0.25 * n for n in grid}, {1: 0.05, 2: 0.07, 4: 0.10, 8: 0.15}),
+    }
+    before = {b: (dict(c.verify), dict(c.draft)) for b, c in measured.items()}
+    out = tightened(measured)
+    assert {b: (c.verify, c.draft) for b, c in measured.items()} == before  # the measurements stay as they were
+    assert out[16].verify[1] == 0.128 and out[16].verify[2] == 0.225  # bounded by 32 rows' step, by 2 tokens' step
+    assert out[16].draft[1] == 0.02 and out[16].draft[2] == 0.02
+    for b, c in out.items():
+        for table in (c.verify, c.draft):
+            values = [table[n] for n in sorted(table)]
+            assert values == sorted(values)  # never cheaper with more tokens
+        for n in c.verify:  # never cheaper with more rows
+            assert all(c.verify[n] <= out[b2].verify[n] for b2 in out if b2 > b and n in out[b2].verify)
+    assert out[32].verify == measured[32].verify and out[64].draft == measured[64].draft  # already consistent
+    assert Policy(out[16]).plain_rate > Policy(measured[16]).plain_rate * 1.9
+
+
+def test_policy_book_bounds_each_bucket_by_the_larger_ones(pair, tmp_path, monkeypatch):
+    from eaglespec.speculation.config import SpecConfig
+    from eaglespec.speculation.policies import PolicyBook
+
+    target, drafter = pair
+    monkeypatch.setenv("EAGLESPEC_CACHE_DIR", str(tmp_path))
+    costs = {b: load_or_calibrate(target, drafter, b) for b in (1, 2, 4)}
+    raw = json.loads((tmp_path / "calibration.json").read_text())
+    slow = costs[2].verify[1] * 50  # one slow moment while batch 2 was measured
+    raw[cache_key(target, drafter, 2)]["verify"]["1"] = slow
+    (tmp_path / "calibration.json").write_text(json.dumps(raw))
+    book = PolicyBook(target, drafter, SpecConfig(mode="auto"))
+    assert book.prepare(4) == [1, 2, 4]
+    cost2 = book.for_batch(2).costs.verify[1]
+    assert cost2 <= min(costs[2].verify[2], costs[4].verify[1]) < slow
+    assert book.for_batch(1).costs.verify[1] <= cost2
 
 
 def test_suspect_calibration_is_noticed():

@@ -4,7 +4,7 @@ so their measurements (rates, acceptance calibration) persist."""
 from __future__ import annotations
 
 from .config import AUTO_MAX_NODES, AUTO_WIDTHS, SpecConfig
-from .costs import load_or_calibrate
+from .costs import StepCosts, load_or_calibrate, tightened
 from .policy import Policy
 
 
@@ -12,6 +12,7 @@ class PolicyBook:
     def __init__(self, target, drafter, spec: SpecConfig):
         self.target, self.drafter, self.spec = target, drafter, spec
         self._by_batch: dict[int, Policy] = {}
+        self._measured: dict[int, StepCosts] = {}  # as loaded or calibrated, per batch bucket
 
     def for_batch(self, batch: int, adaptive: bool | None = None) -> Policy | None:
         """The policy of a batch bucket (None without a drafter); auto policies load or measure their
@@ -22,7 +23,7 @@ class PolicyBook:
         if policy is None:
             shape = self.spec.shape
             if self.spec.mode == "auto":
-                policy = Policy(load_or_calibrate(self.target, self.drafter, batch), widths=AUTO_WIDTHS,
+                policy = Policy(self._costs(batch), widths=AUTO_WIDTHS,
                                 max_depth=shape.depth, max_nodes=AUTO_MAX_NODES)  # fmt: skip
             else:
                 policy = Policy(None, widths=(shape.top_k,), max_depth=shape.depth)
@@ -36,6 +37,15 @@ class PolicyBook:
         at startup, so no request waits on a calibration); returns the buckets."""
         buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length())] + [max_batch]
         buckets = sorted({min(b, max_batch) for b in buckets})
+        if self.drafter is not None and self.spec.mode == "auto":
+            for b in buckets:  # every bucket's costs first: each one bounds the smaller buckets' costs
+                self._costs(b, bound=False)
         for b in buckets:
             self.for_batch(b)
         return buckets
+
+    def _costs(self, batch: int, bound: bool = True) -> StepCosts:
+        """This bucket's costs, tightened by the other buckets measured so far (costs.tightened)."""
+        if batch not in self._measured:
+            self._measured[batch] = load_or_calibrate(self.target, self.drafter, batch)
+        return tightened(self._measured)[batch] if bound else self._measured[batch]
