@@ -215,7 +215,8 @@ def test_one_slow_measurement_cannot_make_plain_steps_look_dear():
     there, losing 3% of serving throughput. Tightened, no cost exceeds one at more tokens or more rows."""
     grid = (1, 2, 3, 4, 6, 8)
     measured = {
-        16: StepCosts(16, {1: 0.251, 2: 0.225, 3: 0.230, 4: 0.240, 6: 0.300, 8: 0.380}, {1: 0.02, 2: 0.03, 4: 0.02, 8: 0.05}),
+        16: StepCosts(16, {1: 0.251, 2: 0.225, 3: 0.230, 4: 0.240, 6: 0.300, 8: 0.380},
+                      {1: 0.02, 2: 0.03, 4: 0.02, 8: 0.05}),
         32: StepCosts(32, {n: 0.128 * n for n in grid}, {1: 0.03, 2: 0.04, 4: 0.06, 8: 0.09}),
         64: StepCosts(64, {n: 0.25 * n for n in grid}, {1: 0.05, 2: 0.07, 4: 0.10, 8: 0.15}),
     }
@@ -250,6 +251,45 @@ def test_policy_book_bounds_each_bucket_by_the_larger_ones(pair, tmp_path, monke
     cost2 = book.for_batch(2).costs.verify[1]
     assert cost2 <= min(costs[2].verify[2], costs[4].verify[1]) < slow
     assert book.for_batch(1).costs.verify[1] <= cost2
+
+
+def test_ceiling_follows_the_acceptance_measured_in_any_bucket():
+    """Measured on SmolLM2 (calibrated costs of this machine's 16-row bucket): with the optimistic prior
+    the ceiling lets the policy draft, and the drafter's nodes reach depth 1 in ~40% of rows there, where
+    the ceiling is below 1.0. Once that is measured, in any bucket, every bucket whose costs cannot pay at
+    that acceptance stops drafting, while a memory-bound one (batch 1) keeps speculating."""
+    from eaglespec.speculation.policy import OPTIMISTIC_ACCEPTANCE
+
+    sixteen = StepCosts(16, {1: 0.0483, 2: 0.0667, 3: 0.088, 4: 0.1137, 6: 0.1674, 8: 0.2426},
+                        {1: 0.0022, 2: 0.0031, 4: 0.0095, 8: 0.008})  # fmt: skip
+    one = _costs(0.024, 1e-4, 0, batch=1)
+    shared = AcceptanceModel()
+    assert shared.reach(3) == pytest.approx([OPTIMISTIC_ACCEPTANCE**d for d in (1, 2, 3)])
+    big, small = Policy(sixteen, acceptance=shared), Policy(one, acceptance=shared)
+    assert big.can_pay and small.can_pay
+    for _ in range(10):  # 16 rows drafted to depth 2, 6 of them accepted depth 1 and 2 of those depth 2
+        shared.observe_reach([0.0, 16.0, 16.0], [0.0, 6.0, 2.0])
+    reach = shared.reach(4)
+    assert 0.37 < reach[0] < 0.45 and reach[1] < 0.2 and reach == sorted(reach, reverse=True)
+    assert not big.can_pay and big.plan() is None and big.backing_off
+    assert small.can_pay and small.plan() is not None
+    for _ in range(200):  # the text changed: drafts are right again
+        shared.observe_reach([0.0, 16.0, 16.0], [0.0, 15.0, 14.0])
+    assert big.can_pay
+
+
+def test_observed_steps_feed_reach_per_depth():
+    """observe_acceptance counts, per depth, rows whose tree reached it and rows whose accepted path did."""
+    from types import SimpleNamespace
+
+    from eaglespec.speculation.policy import observe_acceptance
+
+    model = AcceptanceModel(decay=1.0, prior=1e-9)
+    # two rows; nodes: root, a (depth 1), b (depth 2, child of a); row 0 accepts a and b, row 1 nothing
+    tree = SimpleNamespace(score=torch.tensor([[0.0, -0.1, -0.5]] * 2), depth=torch.tensor([[0, 1, 2]] * 2))
+    acc = SimpleNamespace(path=torch.tensor([[0, 1, 2], [0, 0, 0]]), accepted=torch.tensor([2, 0]))
+    observe_acceptance(model, tree, acc)
+    assert model.reach(2) == pytest.approx([0.5, 0.5])
 
 
 def test_suspect_calibration_is_noticed():

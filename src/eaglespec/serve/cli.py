@@ -56,6 +56,9 @@ def build_server(args):
     name = args.served_model_name or _served_name(settings.target or smollm2_gguf())
     if engine.drafter is not None and engine.mode == "auto":
         t0 = time.perf_counter()
+        print(f"[eaglespec] speculation costs for batch sizes up to {args.max_num_seqs}: cached ones load, missing "
+              "ones are measured now (minutes on a small CPU, once per machine, model and precision)",
+              file=sys.stderr)  # fmt: skip
         buckets = engine.prepare_policies(args.max_num_seqs)  # cached on disk after the first start
         print(f"[eaglespec] speculation costs ready for batch sizes {buckets} ({time.perf_counter() - t0:.1f} s)",
               file=sys.stderr)  # fmt: skip
