@@ -383,3 +383,24 @@ def test_past_the_graceful_timeout_running_requests_end_with_an_error_not_a_cut(
     error = json.loads(lines[-2].removeprefix("data: "))
     assert "--graceful-timeout" in error["error"]["message"]
     assert len(lines) > 3  # it had streamed tokens before it was ended
+
+
+def test_bench_serving_measures_systems_level_by_level(tmp_path, monkeypatch):
+    """`eaglespec bench-serving` end to end on the 8.4M pair: both of our servers at two levels, each level
+    on fresh servers in alternating order (so a VM's drifting load does not become a ratio), with the CPU
+    time the host stole during each level beside its figures."""
+    from eaglespec.cli import main
+
+    monkeypatch.setenv("EAGLESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "serving"
+    assert main(["bench-serving", "--target", str(MODELS / "target"), "--draft", str(MODELS / "drafter-eagle3.1"),
+                 "--systems", "eaglespec_spec,eaglespec_plain", "--concurrency", "1,2", "--requests-per-level", "1",
+                 "--max-tokens", "4", "--categories", "chat", "--threads", "1", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads((out / "serving.json").read_text())
+    for system in ("eaglespec_spec", "eaglespec_plain"):
+        rows = report["systems"][system]
+        assert [r["concurrency"] for r in rows] == [1, 2] and all(r["errors"] == 0 for r in rows)
+        assert all(r["cpu_steal"] is None or 0 <= r["cpu_steal"] <= 1 for r in rows)
+    assert report["systems"]["eaglespec_spec"][0]["tau"] >= 1.0
+    markdown = (out / "serving.md").read_text()
+    assert "CPU steal %" in markdown and "throughput spec/plain" in markdown

@@ -84,6 +84,23 @@ def write_cached(name: str | os.PathLike, key: str, value) -> OSError | None:
     return None
 
 
+def cpu_steal_counters() -> tuple[int, int] | None:
+    """(steal, total) CPU time of all CPUs so far, in clock ticks, from /proc/stat; None where there is none.
+    Steal is time a VM's host gave to other guests: a benchmark interval with much of it ran on a slower machine."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two cpu_steal_counters() readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def best_seconds(fn, repeats: int, warmup: int = 1) -> float:
     """The fastest of `repeats` timed calls after `warmup` untimed ones: the cost without
     interference (a shared machine only ever adds time)."""

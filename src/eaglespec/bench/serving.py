@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from ..machine import cpu_steal_counters, steal_share
 from ..suites import load_suite
 from .report import fmt, table, write_json
 
@@ -208,23 +209,25 @@ def cmd_bench_serving(args) -> int:
               "target": str(target), "draft": str(args.draft), "prompts": len(prompts),
               "command": "eaglespec " + " ".join(sys.argv[1:]), "systems": {}}  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    for system in systems:
-        server = _start(system, args, target, out, max(levels))
-        if server is None:
-            continue
-        try:
-            rows = []
-            for c in levels:
+    # level by level, the systems in alternating order, each on a fresh server: on a shared VM the host's load
+    # drifts over minutes, and measuring one system's levels after the other's turned that drift into a ratio
+    for i, c in enumerate(levels):
+        for system in systems if i % 2 == 0 else systems[::-1]:
+            server = _start(system, args, target, out, max(levels))
+            if server is None:
+                continue
+            try:
                 n = max(8, args.requests_per_level * c)
                 asyncio.run(run_level(server.url, "target", prompts, c, min(n, 2 * c), args.max_tokens))  # warm-up
+                before = cpu_steal_counters()
                 row = asyncio.run(run_level(server.url, "target", prompts, c, n, args.max_tokens))
+                row["cpu_steal"] = steal_share(before, cpu_steal_counters())
                 print(f"[bench-serving] {system} c={c}: {row['output_tok_s']:.0f} tok/s, TTFT "
-                      f"{fmt(row['ttft_mean_s'], 3)} s, TPOT {fmt(row['tpot_mean_s'], 4)} s, errors {row['errors']}",
-                      file=sys.stderr)  # fmt: skip
-                rows.append(row)
-            report["systems"][system] = rows
-        finally:
-            server.stop()
+                      f"{fmt(row['ttft_mean_s'], 3)} s, TPOT {fmt(row['tpot_mean_s'], 4)} s, errors {row['errors']}, "
+                      f"CPU steal {fmt(row['cpu_steal'] and 100 * row['cpu_steal'], 0)}%", file=sys.stderr)  # fmt: skip
+                report["systems"].setdefault(system, []).append(row)
+            finally:
+                server.stop()
     write_json(report, out / "serving.json")
     (out / "serving.md").write_text(serving_markdown(report))
     _plot(report, out / "serving.png")
@@ -240,10 +243,12 @@ def serving_markdown(report: dict) -> str:
     for name, levels in systems.items():
         for r in levels:
             ms = [fmt(r[k] and r[k] * 1e3, d) for k, d in (("ttft_mean_s", 1), ("tpot_mean_s", 2))]
+            steal = r.get("cpu_steal")
             rows.append([name, str(r["concurrency"]), str(r["requests"]), fmt(r["output_tok_s"], 0), *ms,
-                         fmt(r["e2e_mean_s"], 2), fmt(r["tau"]), str(r["errors"])])  # fmt: skip
+                         fmt(r["e2e_mean_s"], 2), fmt(r["tau"]), str(r["errors"]),
+                         fmt(steal and 100 * steal, 0)])  # fmt: skip
     lines.append(table(["system", "concurrency", "requests", "output tok/s", "TTFT ms", "TPOT ms", "e2e s", "tau",
-                        "errors"], rows))  # fmt: skip
+                        "errors", "CPU steal %"], rows))  # fmt: skip
     spec, plain = systems.get("eaglespec_spec"), systems.get("eaglespec_plain")
     if spec and plain:
         lines += ["", "eaglespec speculative vs plain, same run:", ""]
