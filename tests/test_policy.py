@@ -279,17 +279,19 @@ def test_ceiling_follows_the_acceptance_measured_in_any_bucket():
 
 
 def test_observed_steps_feed_reach_per_depth():
-    """observe_acceptance counts, per depth, rows whose tree reached it and rows whose accepted path did."""
+    """observe_acceptance counts, per depth, rows whose tree reached it and rows that accepted the likeliest
+    node of every depth up to it (the top chain): a second-choice node accepted does not count."""
     from types import SimpleNamespace
 
     from eaglespec.speculation.policy import observe_acceptance
 
     model = AcceptanceModel(decay=1.0, prior=1e-9)
-    # two rows; nodes: root, a (depth 1), b (depth 2, child of a); row 0 accepts a and b, row 1 nothing
-    tree = SimpleNamespace(score=torch.tensor([[0.0, -0.1, -0.5]] * 2), depth=torch.tensor([[0, 1, 2]] * 2))
-    acc = SimpleNamespace(path=torch.tensor([[0, 1, 2], [0, 0, 0]]), accepted=torch.tensor([2, 0]))
+    # three rows; nodes: root, a (depth 1), a' (depth 1, less likely), b (depth 2, child of a)
+    # row 0 accepts a and b, row 1 nothing, row 2 the second choice a'
+    tree = SimpleNamespace(score=torch.tensor([[0.0, -0.1, -1.5, -0.5]] * 3), depth=torch.tensor([[0, 1, 1, 2]] * 3))
+    acc = SimpleNamespace(path=torch.tensor([[0, 1, 3], [0, 0, 0], [0, 2, 2]]), accepted=torch.tensor([2, 0, 1]))
     observe_acceptance(model, tree, acc)
-    assert model.reach(2) == pytest.approx([0.5, 0.5])
+    assert model.reach(2) == pytest.approx([1 / 3, 1 / 3])
 
 
 def test_suspect_calibration_is_noticed():

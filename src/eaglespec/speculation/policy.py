@@ -43,9 +43,10 @@ OPTIMISTIC_ACCEPTANCE = 0.75  # per depth, a good draft token's chance to be rig
 @dataclass
 class AcceptanceModel:
     """Online calibration of draft confidence (alpha per depth), n-gram accuracy (beta per depth) and
-    how far accepted paths reach (per depth: of the rows whose drafted tree reached it, the share whose
-    accepted path did). Counts decay by `decay` per update so estimates follow the text being generated.
-    Acceptance is the drafter's and the text's, not the batch size's: an engine's policies share one."""
+    how far the drafter's top chain is accepted (per depth d: of the rows whose drafted tree reached d, the
+    share that accepted the likeliest node of every depth up to d). Counts decay by `decay` per update so
+    estimates follow the text being generated. Acceptance is the drafter's and the text's, not the batch
+    size's: an engine's policies share one."""
 
     max_depth: int = 16
     prior: float = 4.0  # pseudo-counts: alpha starts at 1 (trust the drafter), beta at prior_beta
@@ -92,8 +93,8 @@ class AcceptanceModel:
                 self.pred[d] = self.decay * self.pred[d] + predicted[d]
 
     def reach(self, depth: int) -> list[float]:
-        """P(the accepted path reaches depth d | the drafted tree did), d = 1..depth, non-increasing;
-        before any measurement OPTIMISTIC_ACCEPTANCE**d."""
+        """P(the top chain is accepted through depth d | the drafted tree reached d), d = 1..depth,
+        non-increasing; before any measurement OPTIMISTIC_ACCEPTANCE**d."""
         out, last = [], 1.0
         for d in range(1, depth + 1):
             j = min(d, self.max_depth)
@@ -103,7 +104,7 @@ class AcceptanceModel:
 
     def observe_reach(self, tried: list[float], reached: list[float]) -> None:
         """Per depth d: rows whose verified tree had a drafter node at depth d, and how many of them
-        accepted one."""
+        accepted the top chain through d."""
         for d in range(1, min(len(tried), self.max_depth + 1)):
             if tried[d]:
                 self.reach_hit[d] = self.decay * self.reach_hit[d] + reached[d]
@@ -411,6 +412,13 @@ def observe_acceptance(model: AcceptanceModel, tree, acc) -> None:
     path_eagle = eagle.gather(1, acc.path) & on_path
     accepted = path_eagle.sum(0).float().cpu().tolist() + [0.0] * (d_max + 1 - path_eagle.shape[1])
     model.observe_eagle(predicted.tolist(), accepted)
-    row_depth = torch.where(eagle, depth, torch.zeros_like(depth)).amax(1).cpu()
-    tried = [float((row_depth >= d).sum()) for d in range(d_max + 1)]
-    model.observe_reach(tried, accepted)
+    # reach of the top chain (at each depth the likeliest node), whatever the width: a wide tree at batch 1
+    # accepts a depth-1 node more often than the one-node drafts of a 16-row step, and the ceiling prices a chain
+    tried, reached = [0.0] * (d_max + 1), [0.0] * (d_max + 1)
+    chain = torch.ones_like(acc.accepted, dtype=torch.bool)
+    for d in range(1, min(d_max, acc.path.shape[1] - 1) + 1):
+        at_d = eagle & (depth == d)
+        best = torch.where(at_d, score.float(), torch.full_like(score, -math.inf, dtype=torch.float32)).argmax(1)
+        chain = chain & on_path[:, d] & (acc.path[:, d] == best)
+        tried[d], reached[d] = float(at_d.any(1).sum()), float((chain & at_d.any(1)).sum())
+    model.observe_reach(tried, reached)
