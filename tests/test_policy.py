@@ -253,34 +253,37 @@ def test_policy_book_bounds_each_bucket_by_the_larger_ones(pair, tmp_path, monke
     assert book.for_batch(1).costs.verify[1] <= cost2
 
 
-def test_ceiling_follows_the_acceptance_measured_in_any_bucket():
+def test_ceiling_follows_the_acceptance_a_bucket_measured():
     """Measured on SmolLM2 (calibrated costs of this machine's 16-row bucket): with the optimistic prior
     the ceiling lets the policy draft, and the drafter's nodes reach depth 1 in ~40% of rows there, where
-    the ceiling is below 1.0. Once that is measured, in any bucket, every bucket whose costs cannot pay at
-    that acceptance stops drafting, while a memory-bound one (batch 1) keeps speculating."""
-    from eaglespec.speculation.policy import OPTIMISTIC_ACCEPTANCE
+    the ceiling is below 1.0. Once measured, the bucket stops drafting but for a rare probe; the same
+    acceptance at batch 1's costs (memory-bound: more tokens a row nearly free) still pays."""
+    from eaglespec.speculation import policy as policy_module
+    from eaglespec.speculation.policy import OPTIMISTIC_ACCEPTANCE, REACH_PROBE_EVERY
 
     sixteen = StepCosts(16, {1: 0.0483, 2: 0.0667, 3: 0.088, 4: 0.1137, 6: 0.1674, 8: 0.2426},
                         {1: 0.0022, 2: 0.0031, 4: 0.0095, 8: 0.008})  # fmt: skip
-    one = _costs(0.024, 1e-4, 0, batch=1)
-    shared = AcceptanceModel()
-    assert shared.reach(3) == pytest.approx([OPTIMISTIC_ACCEPTANCE**d for d in (1, 2, 3)])
-    big, small = Policy(sixteen, acceptance=shared), Policy(one, acceptance=shared)
+    big, small = Policy(sixteen), Policy(_costs(0.024, 1e-4, 0, batch=1))
+    assert big.acceptance is not small.acceptance  # each bucket measures the trees it verifies
+    assert big.acceptance.reach(3) == pytest.approx([OPTIMISTIC_ACCEPTANCE**d for d in (1, 2, 3)])
     assert big.can_pay and small.can_pay
-    for _ in range(10):  # 16 rows drafted to depth 2, 6 of them accepted depth 1 and 2 of those depth 2
-        shared.observe_reach([0.0, 16.0, 16.0], [0.0, 6.0, 2.0])
-    reach = shared.reach(4)
+    for model in (big.acceptance, small.acceptance):
+        for _ in range(10):  # 16 rows drafted to depth 2, 6 of them accepted depth 1 and 2 of those depth 2
+            model.observe_reach([0.0, 16.0, 16.0], [0.0, 6.0, 2.0])
+    reach = big.acceptance.reach(4)
     assert 0.37 < reach[0] < 0.45 and reach[1] < 0.2 and reach == sorted(reach, reverse=True)
-    assert not big.can_pay and big.plan() is None and big.backing_off
+    plans = [big.plan() for _ in range(2 * REACH_PROBE_EVERY)]
+    assert sum(p is not None for p in plans) == 2 and plans[REACH_PROBE_EVERY - 1] is not None  # probes only
+    assert big.plan() is None and big.backing_off
     assert small.can_pay and small.plan() is not None
     for _ in range(200):  # the text changed: drafts are right again
-        shared.observe_reach([0.0, 16.0, 16.0], [0.0, 15.0, 14.0])
+        big.acceptance.observe_reach([0.0, 16.0, 16.0], [0.0, 15.0, 14.0])
     assert big.can_pay
+    assert policy_module.speculation_ceiling(sixteen, reach=[0.4**d for d in range(1, 9)]) < 1.0
 
 
 def test_observed_steps_feed_reach_per_depth():
-    """observe_acceptance counts, per depth, rows whose tree reached it and rows that accepted the likeliest
-    node of every depth up to it (the top chain): a second-choice node accepted does not count."""
+    """observe_acceptance counts, per depth, rows whose tree reached it and rows whose accepted path did."""
     from types import SimpleNamespace
 
     from eaglespec.speculation.policy import observe_acceptance
@@ -291,7 +294,7 @@ def test_observed_steps_feed_reach_per_depth():
     tree = SimpleNamespace(score=torch.tensor([[0.0, -0.1, -1.5, -0.5]] * 3), depth=torch.tensor([[0, 1, 1, 2]] * 3))
     acc = SimpleNamespace(path=torch.tensor([[0, 1, 3], [0, 0, 0], [0, 2, 2]]), accepted=torch.tensor([2, 0, 1]))
     observe_acceptance(model, tree, acc)
-    assert model.reach(2) == pytest.approx([1 / 3, 1 / 3])
+    assert model.reach(2) == pytest.approx([2 / 3, 1 / 3])
 
 
 def test_suspect_calibration_is_noticed():

@@ -395,12 +395,13 @@ def test_bench_serving_measures_systems_level_by_level(tmp_path, monkeypatch):
     out = tmp_path / "serving"
     assert main(["bench-serving", "--target", str(MODELS / "target"), "--draft", str(MODELS / "drafter-eagle3.1"),
                  "--systems", "eaglespec_spec,eaglespec_plain", "--concurrency", "1,2", "--requests-per-level", "1",
+                 "--repeats", "2",
                  "--max-tokens", "4", "--categories", "chat", "--threads", "1", "--out", str(out)]) == 0  # fmt: skip
     report = json.loads((out / "serving.json").read_text())
     for system in ("eaglespec_spec", "eaglespec_plain"):
         rows = report["systems"][system]
-        assert [r["concurrency"] for r in rows] == [1, 2] and all(r["errors"] == 0 for r in rows)
+        assert [r["concurrency"] for r in rows] == [1, 1, 2, 2] and all(r["errors"] == 0 for r in rows)
         assert all(r["cpu_steal"] is None or 0 <= r["cpu_steal"] <= 1 for r in rows)
     assert report["systems"]["eaglespec_spec"][0]["tau"] >= 1.0
     markdown = (out / "serving.md").read_text()
-    assert "CPU steal %" in markdown and "throughput spec/plain" in markdown
+    assert "CPU steal %" in markdown and "throughput spec/plain" in markdown and "2 (median of 2)" in markdown

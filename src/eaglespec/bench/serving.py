@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x concurrency "
                    "(at least 8)")
+    p.add_argument("--repeats", type=int, default=1, help="measure each level this many times, the systems in "
+                   "alternating order (the ratio table gives each repeat and the median)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--categories", default="chat,code,docs_qa,summarization")
     p.add_argument("--threads", type=int, default=2)
@@ -211,7 +213,10 @@ def cmd_bench_serving(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     # level by level, the systems in alternating order, each on a fresh server: on a shared VM the host's load
     # drifts over minutes, and measuring one system's levels after the other's turned that drift into a ratio
-    for i, c in enumerate(levels):
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    rounds = [(c, r) for c in levels for r in range(args.repeats)]
+    for i, (c, _) in enumerate(rounds):
         for system in systems if i % 2 == 0 else systems[::-1]:
             server = _start(system, args, target, out, max(levels))
             if server is None:
@@ -252,13 +257,21 @@ def serving_markdown(report: dict) -> str:
     spec, plain = systems.get("eaglespec_spec"), systems.get("eaglespec_plain")
     if spec and plain:
         lines += ["", "eaglespec speculative vs plain, same run:", ""]
-        ratio_rows = []
-        for s, p in zip(spec, plain):
-            ratio_rows.append([str(s["concurrency"]), fmt(_ratio(s["tpot_mean_s"], p["tpot_mean_s"])),
-                               fmt(_ratio(s["ttft_mean_s"], p["ttft_mean_s"])),
-                               fmt(_ratio(s["output_tok_s"], p["output_tok_s"]))])  # fmt: skip
+        ratio_rows, by_level = [], {}
+        for s, p in zip(spec, plain):  # each system's rows are in the same order: level by level, repeat by repeat
+            ratios = [_ratio(s[k], p[k]) for k in ("tpot_mean_s", "ttft_mean_s", "output_tok_s")]
+            by_level.setdefault(s["concurrency"], []).append(ratios)
+            ratio_rows.append([str(s["concurrency"]), *map(fmt, ratios)])
+        if any(len(v) > 1 for v in by_level.values()):  # repeats: the median of each ratio per level
+            ratio_rows += [[f"{c} (median of {len(v)})", *(fmt(_median([r[j] for r in v])) for j in range(3))]
+                           for c, v in by_level.items()]  # fmt: skip
         lines.append(table(["concurrency", "TPOT spec/plain", "TTFT spec/plain", "throughput spec/plain"], ratio_rows))
     return "\n".join(lines) + "\n"
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _ratio(a, b):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .config import AUTO_MAX_NODES, AUTO_WIDTHS, SpecConfig
 from .costs import StepCosts, load_or_calibrate, tightened
-from .policy import AcceptanceModel, Policy
+from .policy import Policy
 
 
 class PolicyBook:
@@ -13,8 +13,6 @@ class PolicyBook:
         self.target, self.drafter, self.spec = target, drafter, spec
         self._by_batch: dict[int, Policy] = {}
         self._measured: dict[int, StepCosts] = {}  # as loaded or calibrated, per batch bucket
-        # the drafter's acceptance, shared by every bucket
-        self.acceptance = AcceptanceModel(max_depth=max(16, spec.shape.depth if spec.shape else 0))
 
     def for_batch(self, batch: int, adaptive: bool | None = None) -> Policy | None:
         """The policy of a batch bucket (None without a drafter); auto policies load or measure their
@@ -26,7 +24,7 @@ class PolicyBook:
             shape = self.spec.shape
             if self.spec.mode == "auto":
                 policy = Policy(self._costs(batch), widths=AUTO_WIDTHS, max_depth=shape.depth,
-                                max_nodes=AUTO_MAX_NODES, acceptance=self.acceptance)  # fmt: skip
+                                max_nodes=AUTO_MAX_NODES)  # fmt: skip
             else:
                 policy = Policy(None, widths=(shape.top_k,), max_depth=shape.depth)
             self._by_batch[batch] = policy

@@ -43,10 +43,9 @@ OPTIMISTIC_ACCEPTANCE = 0.75  # per depth, a good draft token's chance to be rig
 @dataclass
 class AcceptanceModel:
     """Online calibration of draft confidence (alpha per depth), n-gram accuracy (beta per depth) and
-    how far the drafter's top chain is accepted (per depth d: of the rows whose drafted tree reached d, the
-    share that accepted the likeliest node of every depth up to d). Counts decay by `decay` per update so
-    estimates follow the text being generated. Acceptance is the drafter's and the text's, not the batch
-    size's: an engine's policies share one."""
+    how far accepted paths reach (per depth d: of the rows whose verified tree reached d, the share whose
+    accepted path did). Counts decay by `decay` per update so estimates follow the text being generated.
+    One per batch bucket: reach depends on the trees a bucket verifies (wide at batch 1, one node a row at 16)."""
 
     max_depth: int = 16
     prior: float = 4.0  # pseudo-counts: alpha starts at 1 (trust the drafter), beta at prior_beta
@@ -93,8 +92,8 @@ class AcceptanceModel:
                 self.pred[d] = self.decay * self.pred[d] + predicted[d]
 
     def reach(self, depth: int) -> list[float]:
-        """P(the top chain is accepted through depth d | the drafted tree reached d), d = 1..depth,
-        non-increasing; before any measurement OPTIMISTIC_ACCEPTANCE**d."""
+        """P(the accepted path reaches depth d | the verified tree did), d = 1..depth, non-increasing;
+        before any measurement OPTIMISTIC_ACCEPTANCE**d."""
         out, last = [], 1.0
         for d in range(1, depth + 1):
             j = min(d, self.max_depth)
@@ -104,7 +103,7 @@ class AcceptanceModel:
 
     def observe_reach(self, tried: list[float], reached: list[float]) -> None:
         """Per depth d: rows whose verified tree had a drafter node at depth d, and how many of them
-        accepted the top chain through d."""
+        accepted one."""
         for d in range(1, min(len(tried), self.max_depth + 1)):
             if tried[d]:
                 self.reach_hit[d] = self.decay * self.reach_hit[d] + reached[d]
@@ -121,6 +120,7 @@ class AcceptanceModel:
 # speculation is tried only where it could gain at least this much: the drafter's prompt pairs and the policy's
 # measuring steps are paid before any gain (SmolLM2, 32-token replies: 0.98x plain at batch 16, ceiling 1.07)
 MIN_CEILING_GAIN = 1.15
+REACH_PROBE_EVERY = 256  # steps between probes of a bucket whose measured acceptance says drafting cannot pay
 
 
 def speculation_ceiling(costs: StepCosts, q: float = OPTIMISTIC_ACCEPTANCE, max_depth: int = 8,
@@ -225,13 +225,17 @@ class Policy:
     @property
     def can_pay(self) -> bool:
         """False where the step costs (at the rows' current context) say speculation cannot gain
-        MIN_CEILING_GAIN at the acceptance measured so far (optimistic until measured): then no drafting
-        at all. SmolLM2's drafter reaches depth 1 in ~40% of rows in 16-row batches of mixed prompts,
-        where a 16-row step with 2 tokens a row costs 1.4x one with 1: the ceiling is then below 1.0."""
+        MIN_CEILING_GAIN at the acceptance this bucket measured so far (optimistic until measured): then no
+        drafting at all, but for a probe every REACH_PROBE_EVERY steps where the optimistic ceiling would pay
+        (the text may have changed). SmolLM2's drafter reaches depth 1 in ~40% of rows in 16-row batches of
+        mixed prompts, where a 16-row step with 2 tokens a row costs 1.4x one with 1: a ceiling below 1.0."""
         if self.costs is None:
             return True
         reach = self.acceptance.reach(self.max_depth)
-        return speculation_ceiling(self.costs, max_depth=self.max_depth, reach=reach) >= MIN_CEILING_GAIN
+        if speculation_ceiling(self.costs, max_depth=self.max_depth, reach=reach) >= MIN_CEILING_GAIN:
+            return True
+        return self.steps % REACH_PROBE_EVERY == 0 and \
+            speculation_ceiling(self.costs, max_depth=self.max_depth) >= MIN_CEILING_GAIN  # fmt: skip
 
     def plan(self) -> StepPlan | None:
         """The drafting plan for the next step, or None for a plain step."""
@@ -412,13 +416,5 @@ def observe_acceptance(model: AcceptanceModel, tree, acc) -> None:
     path_eagle = eagle.gather(1, acc.path) & on_path
     accepted = path_eagle.sum(0).float().cpu().tolist() + [0.0] * (d_max + 1 - path_eagle.shape[1])
     model.observe_eagle(predicted.tolist(), accepted)
-    # reach of the top chain (at each depth the likeliest node), whatever the width: a wide tree at batch 1
-    # accepts a depth-1 node more often than the one-node drafts of a 16-row step, and the ceiling prices a chain
-    tried, reached = [0.0] * (d_max + 1), [0.0] * (d_max + 1)
-    chain = torch.ones_like(acc.accepted, dtype=torch.bool)
-    for d in range(1, min(d_max, acc.path.shape[1] - 1) + 1):
-        at_d = eagle & (depth == d)
-        best = torch.where(at_d, score.float(), torch.full_like(score, -math.inf, dtype=torch.float32)).argmax(1)
-        chain = chain & on_path[:, d] & (acc.path[:, d] == best)
-        tried[d], reached[d] = float(at_d.any(1).sum()), float((chain & at_d.any(1)).sum())
-    model.observe_reach(tried, reached)
+    row_depth = torch.where(eagle, depth, torch.zeros_like(depth)).amax(1).cpu()
+    model.observe_reach([float((row_depth >= d).sum()) for d in range(d_max + 1)], accepted)
