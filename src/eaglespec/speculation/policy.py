@@ -44,8 +44,9 @@ OPTIMISTIC_ACCEPTANCE = 0.75  # per depth, a good draft token's chance to be rig
 class AcceptanceModel:
     """Online calibration of draft confidence (alpha per depth), n-gram accuracy (beta per depth) and
     how far accepted paths reach (per depth d: of the rows whose verified tree reached d, the share that
-    accepted d tokens, drafted or copied). Counts decay by `decay` per update so estimates follow the text being generated.
-    One per batch bucket: reach depends on the trees a bucket verifies (wide at batch 1, one node a row at 16)."""
+    accepted d tokens, drafted or copied). Counts decay by `decay` per update so estimates follow the text
+    being generated. One per batch bucket: reach depends on the trees a bucket verifies (wide at batch 1,
+    one node a row at 16)."""
 
     max_depth: int = 16
     prior: float = 4.0  # pseudo-counts: alpha starts at 1 (trust the drafter), beta at prior_beta
