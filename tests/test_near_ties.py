@@ -85,11 +85,12 @@ def test_greedy_speculation_equals_plain_at_near_ties(rigged, config):
     if kw["runtime"] == "torch" and not row_attention.available():
         pytest.skip(f"no row-invariant attention here: {row_attention.unavailable_reason()}")
     plain = load_engine(folder, None, mode="off", **kw)
-    if config == "torch-int8":  # the rig works: at half the steps or more the lead is at most two fp32 ulps
+    if kw["runtime"] == "torch":  # the rig works: at half the steps or more the lead is at most two fp32 ulps
         gaps = _top2_gaps(plain, prompts)
         assert sum(gap <= 4e-6 for gap in gaps) >= 0.5 * len(gaps), gaps
     want = [r.output_ids for r in generate(plain, prompts, max_new_tokens=24).results]
-    assert any(t >= plain.target.cfg.vocab_size // 2 for out in want for t in out)  # twins do get chosen
+    if config == "torch-fp32":  # twins do get chosen (quantized targets may settle on tokens whose twin trails)
+        assert any(t >= plain.target.cfg.vocab_size // 2 for out in want for t in out)
     for mode in ("tree", "chain"):
         try:
             engine = load_engine(folder, DRAFTER, mode=mode, tree=TreeShape(6, 4, 24), chain_k=5, **kw)
