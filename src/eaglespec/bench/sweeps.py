@@ -94,7 +94,7 @@ def sweep_batch(methods: list[Method], pool: list[Prompt], cfg: RunConfig, sizes
         prompts = list(itertools.islice(itertools.cycle(pool), max(b, len(pool))))
         run = RunConfig(cfg.max_new_tokens, b, cfg.params, False)
         # the methods in alternating order: at 64 rows `auto` with speculation off measured 1.18x plain when it
-        # always ran second (the first run of a size pays for its memory), so order must not favour one method
+        # always ran second (suspected: the first run of a size first-touches its memory), so order must not favour one
         for m in methods if i % 2 == 0 else methods[::-1]:
             points.append(point(m, prompts, run, f"batch={b}", batch_size=b))
             _log_point(log, points[-1], ["batch_size"])
