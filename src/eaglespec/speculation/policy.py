@@ -103,8 +103,7 @@ class AcceptanceModel:
         return out
 
     def observe_reach(self, tried: list[float], reached: list[float]) -> None:
-        """Per depth d: rows whose verified tree had a drafter node at depth d, and how many of them
-        accepted one."""
+        """Per depth d: rows whose verified tree reached depth d, and how many of them accepted d tokens."""
         for d in range(1, min(len(tried), self.max_depth + 1)):
             if tried[d]:
                 self.reach_hit[d] = self.decay * self.reach_hit[d] + reached[d]
@@ -419,6 +418,10 @@ def observe_acceptance(model: AcceptanceModel, tree, acc) -> None:
     model.observe_eagle(predicted.tolist(), accepted)
     # reach counts every accepted token, the drafter's and those copied from the context (at long context the
     # copies carry much of the acceptance: the drafter's own nodes alone put the ceiling below 1.15 at 4K)
-    row_depth, row_accepted = depth.amax(1).cpu(), acc.accepted.cpu()
-    model.observe_reach([float((row_depth >= d).sum()) for d in range(d_max + 1)],
-                        [float((row_accepted >= d).sum()) for d in range(d_max + 1)])  # fmt: skip
+    model.observe_reach(_at_least(depth.amax(1), d_max), _at_least(acc.accepted, d_max))
+
+
+def _at_least(values: torch.Tensor, top: int) -> list[float]:
+    """[number of values >= d for d in 0..top], from one histogram (no loop of small ops per step)."""
+    counts = torch.bincount(values.clamp(0, top).long().flatten(), minlength=top + 1)
+    return counts.flip(0).cumsum(0).flip(0).float().tolist()
